@@ -1,0 +1,31 @@
+# The few commands a contributor needs. Everything installs into .venv on first use.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# CPU build by default; on a GPU machine install your CUDA build of torch first, e.g. TORCH=torch
+TORCH ?= torch==2.13.0
+
+.PHONY: install demo test lint format
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $@
+
+install: $(VENV)/.installed
+
+# The main job on the embedded corpus: no network, no extra data needed.
+demo: install
+	$(PY) pretrain.py data=embedded arch=tiny budget=0.05 name=demo
+
+test: install
+	$(PY) -m pytest -q
+
+lint: install
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+
+format: install
+	$(PY) -m ruff format .
+	$(PY) -m ruff check --fix .

@@ -1,0 +1,74 @@
+"""Top-level typed configuration and its Hydra registration.
+
+Each Hydra group (`arch`, `data`, `train`, `impl`) is backed by a dataclass that lives beside the code it
+configures. Composition against these schemas rejects unknown keys and wrongly typed values; `validate`
+then builds the dataclasses, whose `__post_init__` checks ranges and choices. Both fail at start-up with a
+message that names the key.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+from cramming.data.config import DataConfig
+from cramming.errors import ConfigError, config_error
+from cramming.impl import ImplConfig
+from cramming.model.config import ArchConfig
+from cramming.train.config import TrainConfig
+
+CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+
+
+@dataclass
+class PretrainConfig:
+    """`python pretrain.py`: one pretraining run."""
+
+    arch: ArchConfig = MISSING
+    data: DataConfig = MISSING
+    train: TrainConfig = MISSING
+    impl: ImplConfig = field(default_factory=ImplConfig)
+    # wall-clock budget in hours; compile and data loading count against it, preprocessing does not
+    budget: float = 24.0
+    # run name: outputs go to {base_dir}/{name}/{timestamp}/
+    name: str = "default"
+    seed: int = 0
+    # preprocess the data (or find it in the cache) and exit
+    dryrun: bool = False
+    # root of run folders and of the processed-data cache ({base_dir}/data)
+    base_dir: str = "outputs"
+
+    def __post_init__(self) -> None:
+        if self.budget <= 0:
+            raise config_error("budget", self.budget, "give the wall-clock budget in hours, e.g. budget=24 or budget=0.1")
+        if not self.name or "/" in self.name:
+            raise config_error("name", self.name, "use a plain folder name without '/'")
+
+    @property
+    def data_cache_root(self) -> Path:
+        return Path(self.base_dir) / "data"
+
+
+def register_configs() -> None:
+    """Make the schemas known to Hydra; the YAML files in conf/ name them first in their defaults."""
+    cs = ConfigStore.instance()
+    cs.store(name="pretrain_schema", node=PretrainConfig)
+
+
+def validate(cfg: DictConfig, schema: type = PretrainConfig):
+    """Turn the composed config into typed dataclasses, running every field check.
+
+    Raises ConfigError naming the key at fault.
+    """
+    try:
+        obj = OmegaConf.to_object(cfg)
+    except ConfigError:
+        raise
+    except Exception as err:  # omegaconf's own errors: missing values, failed conversions
+        raise ConfigError(f"invalid configuration: {err}") from err
+    if not isinstance(obj, schema):
+        raise ConfigError(f"expected a {schema.__name__} config, got {type(obj).__name__}")
+    return obj

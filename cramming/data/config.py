@@ -1,0 +1,136 @@
+"""Typed configuration of the `data` group: where raw text comes from and how it becomes training rows.
+
+Everything here changes *what* the model sees, so all of it (except `name`) feeds the hash that names the
+processed-data cache. Speed-only knobs (worker processes) live in `impl`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from cramming.errors import check_choice, config_error
+
+SOURCE_KINDS = ("hub", "local", "embedded")
+TOKENIZER_KINDS = ("wordpiece", "bpe", "unigram")
+ORDERINGS = ("none", "random", "curriculum")
+TEXT_UNITS = ("line", "paragraph", "document")
+
+
+@dataclass
+class SourceConfig:
+    """One raw-text source. Several sources are concatenated in the order of their names."""
+
+    kind: str = "local"  # hub | local | embedded
+    # hub: dataset path on the Hugging Face hub, e.g. "wikimedia/wikipedia"
+    path: str | None = None
+    # hub: subset / configuration name, e.g. "20231101.en"
+    subset: str | None = None
+    split: str = "train"
+    # hub: stream instead of downloading the whole corpus (needs max_entries to stay bounded)
+    streaming: bool = False
+    # hub: a commit, tag or branch to pin the data version (results depend on it)
+    revision: str | None = None
+    # local: a folder or a glob of .txt, .jsonl, .jsonl.gz, .json or .parquet files
+    files: str | None = None
+    # name of the column / JSON field that holds the text
+    text_field: str = "text"
+    # .txt files: one entry per line, per blank-line separated paragraph, or per file
+    txt_unit: str = "paragraph"
+    # cap on raw entries taken from this source (None: all)
+    max_entries: int | None = None
+
+    def __post_init__(self) -> None:
+        check_choice("data.sources.*.kind", self.kind, SOURCE_KINDS)
+        check_choice("data.sources.*.txt_unit", self.txt_unit, TEXT_UNITS)
+        if self.kind == "hub" and not self.path:
+            raise config_error("data.sources.*.path", self.path, "a hub source needs `path`, e.g. wikimedia/wikipedia")
+        if self.kind == "local" and not self.files:
+            raise config_error(
+                "data.sources.*.files",
+                self.files,
+                "a local source needs `files`: a folder or glob, e.g. data.sources.local.files='/data/*.jsonl.gz'",
+            )
+        if self.max_entries is not None and self.max_entries < 1:
+            raise config_error("data.sources.*.max_entries", self.max_entries, "use a positive count or null")
+
+
+@dataclass
+class NormalizerConfig:
+    """Unicode and case normalization, applied to the corpus and saved into the tokenizer."""
+
+    nfkc: bool = True
+    lowercase: bool = True
+    strip_accents: bool = True
+
+
+@dataclass
+class FilterConfig:
+    """Drop texts that are too short or that tokenize badly (the cramming "trash" filter)."""
+
+    # texts shorter than this many characters (after normalization) are dropped
+    min_chars: int = 64
+    # texts whose tokens-per-character ratio is above this are dropped; null disables the filter.
+    # Clean English prose tokenizes at about 0.2-0.25 tokens per character.
+    max_tokens_per_char: float | None = 0.3
+    # drop exact duplicates of normalized texts (first occurrence kept)
+    deduplicate: bool = True
+
+    def __post_init__(self) -> None:
+        if self.min_chars < 0:
+            raise config_error("data.filter.min_chars", self.min_chars, "use 0 or a positive count")
+        if self.max_tokens_per_char is not None and self.max_tokens_per_char <= 0:
+            raise config_error("data.filter.max_tokens_per_char", self.max_tokens_per_char, "use a positive ratio or null")
+
+
+@dataclass
+class TokenizerConfig:
+    """A tokenizer trained from scratch on the corpus with the `tokenizers` library."""
+
+    kind: str = "wordpiece"  # wordpiece | bpe | unigram
+    vocab_size: int = 32768
+    # pieces seen fewer times than this are not added to the vocabulary
+    min_frequency: int = 2
+    # train on at most this many texts (None: all of them)
+    max_train_entries: int | None = None
+
+    def __post_init__(self) -> None:
+        check_choice("data.tokenizer.kind", self.kind, TOKENIZER_KINDS)
+        if self.vocab_size < 64:
+            raise config_error("data.tokenizer.vocab_size", self.vocab_size, "use at least 64 (cramming uses 32768)")
+
+
+@dataclass
+class DataConfig:
+    """The `data` group: sources, cleaning, tokenizer and packing into fixed-length rows."""
+
+    # a short label, used in the cache folder name (not hashed)
+    name: str = "custom"
+    sources: dict[str, SourceConfig] = field(default_factory=dict)
+    normalizer: NormalizerConfig = field(default_factory=NormalizerConfig)
+    filter: FilterConfig = field(default_factory=FilterConfig)
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    # tokens per training row; documents are joined with [SEP] and cut, no padding
+    seq_length: int = 128
+    # order of the packed rows: as read, shuffled, or easy-to-hard (rows of frequent tokens first)
+    ordering: str = "random"
+    # fraction of documents held out (before packing) for a validation split; 0 disables it
+    validation_fraction: float = 0.005
+    # cap on output training rows after ordering (None: all)
+    max_rows: int | None = None
+    # seed for the held-out split and the random ordering
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.sources:
+            raise config_error(
+                "data.sources",
+                "{}",
+                "name at least one source, or pick a ready one: data=embedded, data=local, data=wikibooks",
+            )
+        check_choice("data.ordering", self.ordering, ORDERINGS)
+        if self.seq_length < 8:
+            raise config_error("data.seq_length", self.seq_length, "use at least 8 tokens (cramming uses 128)")
+        if not 0.0 <= self.validation_fraction < 0.5:
+            raise config_error("data.validation_fraction", self.validation_fraction, "use a fraction in [0, 0.5)")
+        if self.max_rows is not None and self.max_rows < 1:
+            raise config_error("data.max_rows", self.max_rows, "use a positive count or null")

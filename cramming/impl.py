@@ -1,0 +1,52 @@
+"""Typed configuration of the `impl` group: how fast, never what.
+
+An `impl` setting may change rounding (precision, kernels) but never what is computed: a run with another
+`impl` is the same experiment. That is why none of it feeds the data-cache hash or the run's identity.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from cramming.errors import check_choice, config_error
+
+DEVICES = ("auto", "cpu", "cuda")
+PRECISIONS = ("auto", "fp32", "bf16", "fp16")
+ATTENTIONS = ("sdpa", "eager", "triton")
+LAYERNORMS = ("torch", "triton")
+
+
+@dataclass
+class ImplConfig:
+    # auto: cuda when available, else cpu; "cuda:1" picks a GPU
+    device: str = "auto"
+    # auto: bf16 on GPUs that support it, else fp16 with a loss scaler; fp32 on CPU
+    precision: str = "auto"
+    compile: bool = False
+    attention: str = "sdpa"
+    layernorm: str = "torch"
+    # fail instead of falling back to PyTorch when a Triton kernel cannot launch
+    strict_kernels: bool = False
+    # sequences per forward/backward pass; the recipe's batch size is reached by accumulation
+    microbatch_size: int = 128
+    # DataLoader worker processes during training
+    num_workers: int = 2
+    # processes for preprocessing maps (None: all cores)
+    num_proc: int | None = None
+
+    def __post_init__(self) -> None:
+        check_choice("impl.device", self.device.split(":")[0], DEVICES)
+        check_choice("impl.precision", self.precision, PRECISIONS)
+        check_choice("impl.attention", self.attention, ATTENTIONS)
+        check_choice("impl.layernorm", self.layernorm, LAYERNORMS)
+        if self.microbatch_size < 1:
+            raise config_error("impl.microbatch_size", self.microbatch_size, "use a positive number of sequences")
+        if self.num_workers < 0:
+            raise config_error("impl.num_workers", self.num_workers, "use 0 (load in the main process) or more")
+        if self.num_proc is not None and self.num_proc < 1:
+            raise config_error("impl.num_proc", self.num_proc, "use a positive count or null for all cores")
+
+    @property
+    def preprocessing_procs(self) -> int:
+        return self.num_proc or os.cpu_count() or 1
