@@ -1,0 +1,388 @@
+"""The preprocessing pipeline and its cache.
+
+    raw text -> normalize + drop short texts -> exact dedup -> hold out validation documents
+             -> train tokenizer -> tokenize + drop "trash" (too many tokens per character)
+             -> join documents with [SEP] and cut into rows of seq_length -> order -> cap -> save
+
+The result (Arrow via `datasets`), the tokenizer and the resolved data config are saved together in
+`{cache_root}/{name}-{hash}`, where the hash covers the resolved data config and the fingerprints of the
+sources. A second run with the same config finds the folder and skips all of it. The folder is built under a
+temporary name and renamed when complete, so an interrupted run never leaves a half-written cache behind.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import datasets
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+from omegaconf import OmegaConf
+from tokenizers import Tokenizer
+
+from cramming.data.config import DataConfig
+from cramming.data.sources import load_raw_corpus, source_fingerprint
+from cramming.data.tokenizer import SpecialTokens, build_normalizer, train_tokenizer
+from cramming.errors import DataSourceError
+
+log = logging.getLogger("cramming")
+
+# Bump when a change to this module changes what a given config produces: old caches then stop matching.
+PIPELINE_VERSION = 1
+# Written last; a cache folder without it is not complete.
+STATS_FILE = "stats.json"
+# Texts per batch in the map steps; big enough to amortize Python overhead, small enough for memory.
+BATCH = 1000
+# Roughly this many characters of text per preprocessing process before a second one pays off.
+CHARS_PER_PROC = 8_000_000
+
+
+@dataclass
+class PretrainingData:
+    """Packed MLM training rows and the tokenizer that made them."""
+
+    path: Path
+    # column `input_ids`: rows of exactly seq_length token ids (uint16 when the vocabulary allows)
+    train: datasets.Dataset
+    validation: datasets.Dataset | None
+    tokenizer: Tokenizer
+    seq_length: int
+    stats: dict
+    special: SpecialTokens = field(default_factory=SpecialTokens)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.get_vocab_size()
+
+
+def cache_key(cfg: DataConfig) -> str:
+    """Hash of everything that decides the processed data: the config (without its label) and the sources."""
+    resolved = asdict(cfg)
+    resolved.pop("name")
+    payload = {
+        "pipeline_version": PIPELINE_VERSION,
+        "config": resolved,
+        "sources": {name: source_fingerprint(src) for name, src in cfg.sources.items()},
+    }
+    return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:12]
+
+
+def cache_dir_for(cfg: DataConfig, cache_root: str | os.PathLike) -> Path:
+    return Path(cache_root) / f"{cfg.name}-{cache_key(cfg)}"
+
+
+def prepare_pretraining_data(
+    cfg: DataConfig, cache_root: str | os.PathLike, num_proc: int = 1
+) -> PretrainingData:
+    """Find the processed data for this config in the cache, or build it there; then load it."""
+    path = cache_dir_for(cfg, cache_root)
+    if (path / STATS_FILE).exists():
+        log.info("found processed data for this data config at %s: skipping preprocessing", path)
+    else:
+        log.info("no processed data for this data config yet: preprocessing into %s", path)
+        _build(cfg, path, Path(cache_root) / "hf", num_proc)
+    return load_pretraining_data(path)
+
+
+def load_pretraining_data(path: str | os.PathLike) -> PretrainingData:
+    path = Path(path)
+    if not (path / STATS_FILE).exists():
+        raise DataSourceError(
+            f"{path} holds no complete processed dataset. Run `python pretrain.py dryrun=true data=...` to build it."
+        )
+    splits = datasets.load_from_disk(str(path / "dataset"))
+    stats = json.loads((path / STATS_FILE).read_text())
+    return PretrainingData(
+        path=path,
+        train=splits["train"],
+        validation=splits.get("validation"),
+        tokenizer=Tokenizer.from_file(str(path / "tokenizer.json")),
+        seq_length=stats["seq_length"],
+        stats=stats,
+    )
+
+
+class _Steps:
+    """Times each step and logs it with its throughput; the figures go into stats.json."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def step(self, name: str, megabytes: float | None = None) -> Iterator[None]:
+        log.info("%s ...", name)
+        start = time.perf_counter()
+        yield
+        took = time.perf_counter() - start
+        self.seconds[name] = round(took, 3)
+        rate = f" ({megabytes / took:.2f} MB/s)" if megabytes and took > 0 else ""
+        log.info("%s done in %.1f s%s", name, took, rate)
+
+
+def _text_megabytes(ds: datasets.Dataset) -> float:
+    if len(ds) == 0:
+        return 0.0
+    return pc.sum(pc.binary_length(ds.data.column("text").cast(pa.binary()))).as_py() / 1e6
+
+
+def _clean(raw: datasets.Dataset, cfg: DataConfig, num_proc: int, scratch: Path) -> datasets.Dataset:
+    """Normalize, drop texts shorter than min_chars, and add a 64-bit hash of each normalized text."""
+    norm_cfg, min_chars = cfg.normalizer, cfg.filter.min_chars
+
+    def clean(batch: dict[str, list[str]]) -> dict[str, list]:
+        normalizer = build_normalizer(norm_cfg)  # cheap; built here so workers need not pickle it
+        texts = [normalizer.normalize_str(t).strip() for t in batch["text"] if t]
+        texts = [t for t in texts if len(t) >= min_chars]
+        digests = [
+            int.from_bytes(hashlib.blake2b(t.encode(), digest_size=8).digest(), "little", signed=True)
+            for t in texts
+        ]
+        return {"text": texts, "hash": digests}
+
+    features = datasets.Features({"text": datasets.Value("string"), "hash": datasets.Value("int64")})
+    return raw.map(
+        clean,
+        batched=True,
+        batch_size=BATCH,
+        num_proc=num_proc if num_proc > 1 else None,
+        features=features,
+        cache_file_name=str(scratch / "clean.arrow"),
+        desc="normalize + length filter",
+    )
+
+
+def _deduplicate(docs: datasets.Dataset) -> datasets.Dataset:
+    """Keep the first occurrence of every normalized text (by 64-bit hash)."""
+    hashes = docs.data.column("hash").to_numpy()
+    _, first = np.unique(hashes, return_index=True)
+    return docs.select(np.sort(first))
+
+
+def _split_validation(
+    docs: datasets.Dataset, cfg: DataConfig
+) -> tuple[datasets.Dataset, datasets.Dataset | None]:
+    """Hold out whole documents, so no validation text leaks into training rows."""
+    n = len(docs)
+    n_val = round(cfg.validation_fraction * n)
+    if cfg.validation_fraction > 0 and n >= 2:
+        n_val = max(1, n_val)
+    if n_val == 0:
+        return docs, None
+    rng = np.random.default_rng(cfg.seed)
+    val_idx = np.sort(rng.choice(n, size=n_val, replace=False))
+    keep = np.ones(n, dtype=bool)
+    keep[val_idx] = False
+    return docs.select(np.flatnonzero(keep)), docs.select(val_idx)
+
+
+def _text_batches(docs: datasets.Dataset, limit: int | None) -> Iterator[list[str]]:
+    subset = docs if limit is None or limit >= len(docs) else docs.select(range(limit))
+    for batch in subset.select_columns(["text"]).iter(batch_size=BATCH):
+        yield batch["text"]
+
+
+def _tokenize(
+    docs: datasets.Dataset, tokenizer: Tokenizer, id_type: str, scratch_file: Path
+) -> datasets.Dataset:
+    """Token ids per document (no special tokens) and each document's tokens-per-character ratio."""
+
+    def tokenize(batch: dict[str, list]) -> dict[str, list]:
+        encodings = tokenizer.encode_batch(batch["text"], add_special_tokens=False)
+        ids = [enc.ids for enc in encodings]
+        ratios = [len(x) / max(1, len(text)) for x, text in zip(ids, batch["text"], strict=True)]
+        return {"ids": ids, "tokens_per_char": ratios}
+
+    features = datasets.Features(
+        {"ids": datasets.Sequence(datasets.Value(id_type)), "tokens_per_char": datasets.Value("float32")}
+    )
+    return docs.map(
+        tokenize,
+        batched=True,
+        batch_size=BATCH,
+        remove_columns=docs.column_names,
+        features=features,
+        cache_file_name=str(scratch_file),
+        desc="tokenize",
+    )
+
+
+def _drop_trash(tokenized: datasets.Dataset, cutoff: float | None) -> datasets.Dataset:
+    """Drop documents above `cutoff` tokens per character (the cramming "trash" filter)."""
+    if cutoff is not None:
+        ratios = tokenized.data.column("tokens_per_char").to_numpy()
+        tokenized = tokenized.select(np.flatnonzero(ratios <= cutoff))
+    return tokenized.remove_columns("tokens_per_char")
+
+
+def _token_count(tokenized: datasets.Dataset) -> int:
+    return int(pc.sum(pc.list_value_length(tokenized.data.column("ids"))).as_py() or 0)
+
+
+def join_with_separator(values: np.ndarray, offsets: np.ndarray, sep: int) -> np.ndarray:
+    """Documents given as flat `values` with `offsets` (n+1,) -> each document followed by `sep`."""
+    n_docs = len(offsets) - 1
+    lengths = np.diff(offsets)
+    out = np.empty(len(values) + n_docs, dtype=values.dtype)
+    doc_of_value = np.repeat(np.arange(n_docs), lengths)
+    out[np.arange(len(values)) + doc_of_value] = values  # document i is shifted by the i separators before it
+    out[offsets[1:] + np.arange(n_docs)] = sep
+    return out
+
+
+def _pack(
+    tokenized: datasets.Dataset, seq_length: int, sep: int, id_type: str, out_file: Path
+) -> datasets.Dataset:
+    """Join documents with [SEP] and cut the stream into rows of exactly seq_length; the last partial row is
+    dropped. Rows are streamed to an Arrow file, so memory stays at one batch of documents."""
+    np_type = np.dtype(id_type)
+    schema = pa.schema([("input_ids", pa.list_(pa.from_numpy_dtype(np_type), seq_length))])
+    carry = np.empty(0, dtype=np_type)
+    rows, last_log, start = 0, time.perf_counter(), time.perf_counter()
+    with pa.OSFile(str(out_file), "wb") as sink, pa.ipc.new_stream(sink, schema) as writer:
+        for table in tokenized.with_format("arrow").iter(batch_size=10 * BATCH):
+            docs = table.column("ids").combine_chunks()  # ListArray: (docs,) of variable length
+            offsets = docs.offsets.to_numpy()
+            values = docs.flatten().to_numpy(zero_copy_only=False).astype(np_type, copy=False)
+            stream = np.concatenate([carry, join_with_separator(values, offsets - offsets[0], sep)])
+            n_rows = len(stream) // seq_length
+            if n_rows:
+                flat = pa.array(stream[: n_rows * seq_length])
+                writer.write_batch(
+                    pa.record_batch([pa.FixedSizeListArray.from_arrays(flat, seq_length)], schema=schema)
+                )
+            carry = stream[n_rows * seq_length :]
+            rows += n_rows
+            if time.perf_counter() - last_log > 10:
+                last_log = time.perf_counter()
+                log.info("packing: %d rows (%.0f rows/s)", rows, rows / (last_log - start))
+    return datasets.Dataset.from_file(str(out_file))
+
+
+def _curriculum_order(rows: datasets.Dataset, vocab_size: int) -> np.ndarray:
+    """Easy to hard: rows sorted by the mean surprisal of their tokens under the corpus unigram counts."""
+    counts = np.zeros(vocab_size, dtype=np.int64)
+    for batch in rows.with_format("numpy").iter(batch_size=10 * BATCH):
+        counts += np.bincount(batch["input_ids"].ravel(), minlength=vocab_size)
+    surprisal = -np.log((counts + 1) / (counts.sum() + vocab_size))
+    scores = np.concatenate(
+        [
+            surprisal[batch["input_ids"]].mean(axis=1)
+            for batch in rows.with_format("numpy").iter(batch_size=10 * BATCH)
+        ]
+    )
+    return np.argsort(scores, kind="stable")
+
+
+def _order(rows: datasets.Dataset, cfg: DataConfig, vocab_size: int) -> datasets.Dataset:
+    if cfg.ordering == "random":
+        rows = rows.shuffle(seed=cfg.seed)
+    elif cfg.ordering == "curriculum":
+        rows = rows.select(_curriculum_order(rows, vocab_size))
+    if cfg.max_rows is not None and len(rows) > cfg.max_rows:
+        rows = rows.select(range(cfg.max_rows))
+    return rows
+
+
+def _procs_for(megabytes: float, num_proc: int) -> int:
+    return max(1, min(num_proc, int(megabytes * 1e6 // CHARS_PER_PROC) + 1))
+
+
+def _build(cfg: DataConfig, path: Path, hf_cache: Path, num_proc: int) -> None:
+    build_dir = path.with_name(f".{path.name}.building-{os.getpid()}")
+    scratch = build_dir / "scratch"
+    scratch.mkdir(parents=True, exist_ok=True)
+    steps, stats = _Steps(), {"seq_length": cfg.seq_length, "cache_key": path.name}
+    start = time.perf_counter()
+    try:
+        with steps.step("read sources"):
+            raw = load_raw_corpus(cfg, hf_cache)
+        megabytes = _text_megabytes(raw)
+        stats.update(raw_documents=len(raw), raw_megabytes=round(megabytes, 3))
+        with steps.step("normalize + length filter", megabytes):
+            docs = _clean(raw, cfg, _procs_for(megabytes, num_proc), scratch)
+        stats["documents_after_length_filter"] = len(docs)
+        if cfg.filter.deduplicate:
+            with steps.step("deduplicate"):
+                docs = _deduplicate(docs)
+        stats["documents_after_dedup"] = len(docs)
+        train_docs, val_docs = _split_validation(docs, cfg)
+        with steps.step("train tokenizer", _text_megabytes(train_docs)):
+            limit = cfg.tokenizer.max_train_entries
+            length = len(train_docs) if limit is None else min(limit, len(train_docs))
+            tokenizer = train_tokenizer(
+                _text_batches(train_docs, limit), cfg.tokenizer, cfg.normalizer, length
+            )
+        id_type = "uint16" if tokenizer.get_vocab_size() <= 2**16 else "int32"
+        sep = SpecialTokens().sep
+        splits, cutoff = {}, None
+        for split, split_docs in (("train", train_docs), ("validation", val_docs)):
+            if split_docs is None:
+                continue
+            with steps.step(f"tokenize {split}", _text_megabytes(split_docs)):
+                tokenized = _tokenize(split_docs, tokenizer, id_type, scratch / f"tok-{split}.arrow")
+            factor = cfg.filter.max_tokens_per_char_vs_median
+            if factor is not None and split == "train":  # validation uses the training cut-off
+                median = float(np.median(tokenized.data.column("tokens_per_char").to_numpy()))
+                cutoff = factor * median
+                stats.update(
+                    median_tokens_per_char=round(median, 4), trash_cutoff_tokens_per_char=round(cutoff, 4)
+                )
+            tokenized = _drop_trash(tokenized, cutoff)
+            with steps.step(f"pack {split}"):
+                rows = _pack(tokenized, cfg.seq_length, sep, id_type, scratch / f"rows-{split}.arrow")
+            stats[f"{split}_documents"] = len(tokenized)
+            stats[f"{split}_dropped_by_token_ratio"] = len(split_docs) - len(tokenized)
+            # every document is followed by one [SEP]
+            stats[f"{split}_tokens"] = _token_count(tokenized) + len(tokenized)
+            if split == "train":
+                with steps.step("order + cap rows"):
+                    rows = _order(rows, cfg, tokenizer.get_vocab_size())
+            splits[split] = rows
+            stats[f"{split}_rows"] = len(rows)
+        if stats["train_rows"] == 0:
+            raise DataSourceError(
+                f"only {stats['train_tokens']} tokens are left after filtering, fewer than one row of "
+                f"{cfg.seq_length}: add text, lower data.filter.min_chars, or raise data.filter.max_tokens_per_char_vs_median"
+            )
+        with steps.step("save"):
+            datasets.DatasetDict(splits).save_to_disk(str(build_dir / "dataset"))
+            tokenizer.save(str(build_dir / "tokenizer.json"))
+            (build_dir / "data_config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+        stats["tokenizer_sha256"] = hashlib.sha256((build_dir / "tokenizer.json").read_bytes()).hexdigest()
+        stats["seconds"] = steps.seconds | {"total": round(time.perf_counter() - start, 3)}
+        stats["megabytes_per_second"] = round(megabytes / stats["seconds"]["total"], 3)
+        shutil.rmtree(scratch)
+        (build_dir / STATS_FILE).write_text(json.dumps(stats, indent=2))
+        _publish(build_dir, path)
+    except BaseException:
+        shutil.rmtree(build_dir, ignore_errors=True)
+        raise
+    log.info(
+        "preprocessed %.1f MB of text into %d training rows of %d tokens in %.1f s (%.2f MB/s)",
+        megabytes,
+        stats["train_rows"],
+        cfg.seq_length,
+        stats["seconds"]["total"],
+        stats["megabytes_per_second"],
+    )
+
+
+def _publish(build_dir: Path, path: Path) -> None:
+    """Rename the finished folder into place; if another process got there first, keep theirs."""
+    try:
+        os.rename(build_dir, path)
+    except OSError:
+        if not (path / STATS_FILE).exists():
+            raise
+        log.info("another process finished the same data first; using its copy")
+        shutil.rmtree(build_dir, ignore_errors=True)

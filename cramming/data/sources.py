@@ -1,0 +1,193 @@
+"""Read raw text from the hub, from local files or from the embedded corpus into one `datasets.Dataset`.
+
+Every source ends up as a Dataset with a single string column `text`. Each source also has a fingerprint:
+what its content depends on besides the config (file sizes and times, the Python version), so that changed
+files make a new cache even when the config is the same.
+"""
+
+from __future__ import annotations
+
+import glob
+import logging
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import datasets
+
+from cramming.data import embedded
+from cramming.data.config import DataConfig, SourceConfig
+from cramming.errors import DataSourceError
+
+log = logging.getLogger("cramming")
+
+TEXT_FEATURES = datasets.Features({"text": datasets.Value("string")})
+
+# file ending -> `datasets` builder that reads it
+LOCAL_FORMATS = {
+    ".txt": "text",
+    ".jsonl": "json",
+    ".jsonl.gz": "json",
+    ".json": "json",
+    ".parquet": "parquet",
+}
+
+OFFLINE_HINT = (
+    "Without network, train on the embedded corpus (`python pretrain.py data=embedded`) or on local files "
+    "(`python pretrain.py data=local data.sources.local.files='/path/to/*.jsonl.gz'`)."
+)
+
+
+def _format_of(path: str) -> str | None:
+    for ending, builder in LOCAL_FORMATS.items():
+        if path.endswith(ending):
+            return builder
+    return None
+
+
+def resolve_local_files(pattern: str) -> list[str]:
+    """A folder (searched recursively) or a glob, to a sorted list of readable files."""
+    expanded = os.path.expanduser(pattern)
+    if os.path.isdir(expanded):
+        candidates = glob.glob(os.path.join(expanded, "**", "*"), recursive=True)
+    else:
+        candidates = glob.glob(expanded, recursive=True)
+    files = sorted(p for p in candidates if os.path.isfile(p) and _format_of(p))
+    if not files:
+        raise DataSourceError(
+            f"no readable text files match {pattern!r} (looked for {', '.join(LOCAL_FORMATS)}). "
+            "Point data.sources.<name>.files at a folder or a glob of such files."
+        )
+    return files
+
+
+def source_fingerprint(cfg: SourceConfig) -> str:
+    """What the source's content depends on beyond its config (no network needed)."""
+    if cfg.kind == "embedded":
+        return embedded.fingerprint()
+    if cfg.kind == "hub":
+        return f"hub:{cfg.path}:{cfg.subset}:{cfg.split}:{cfg.revision}"
+    stats = [(p, os.stat(p).st_size, os.stat(p).st_mtime_ns) for p in resolve_local_files(cfg.files)]
+    return repr(stats)
+
+
+def _select_text(ds: datasets.Dataset, cfg: SourceConfig, where: str) -> datasets.Dataset:
+    if cfg.text_field not in ds.column_names:
+        raise DataSourceError(
+            f"{where} has no field {cfg.text_field!r}; its fields are {ds.column_names}. "
+            "Set data.sources.<name>.text_field to the one that holds the text."
+        )
+    ds = ds.select_columns([cfg.text_field])
+    if cfg.text_field != "text":
+        ds = ds.rename_column(cfg.text_field, "text")
+    return ds.cast(TEXT_FEATURES)
+
+
+def _cap(ds: datasets.Dataset, max_entries: int | None) -> datasets.Dataset:
+    if max_entries is not None and len(ds) > max_entries:
+        ds = ds.select(range(max_entries))
+    return ds
+
+
+def _load_local(cfg: SourceConfig, hf_cache: Path) -> datasets.Dataset:
+    files = resolve_local_files(cfg.files)
+    by_builder: dict[str, list[str]] = {}
+    for f in files:
+        by_builder.setdefault(_format_of(f), []).append(f)
+    parts = []
+    for builder, group in sorted(by_builder.items()):
+        kwargs = {"sample_by": cfg.txt_unit} if builder == "text" else {}
+        try:
+            ds = datasets.load_dataset(
+                builder, data_files=group, split="train", cache_dir=str(hf_cache), **kwargs
+            )
+        except Exception as err:  # a malformed file: say which ones were being read
+            raise DataSourceError(
+                f"could not read {len(group)} {builder} file(s) starting with {group[0]}: {err}"
+            ) from err
+        parts.append(_select_text(ds, cfg, f"{builder} file {group[0]}"))
+        if cfg.max_entries is not None and sum(len(p) for p in parts) >= cfg.max_entries:
+            break
+    return _cap(datasets.concatenate_datasets(parts), cfg.max_entries)
+
+
+def _iter_stream(stream: datasets.IterableDataset, field: str, where: str) -> Iterator[dict[str, str]]:
+    for example in stream:
+        if field not in example:
+            raise DataSourceError(
+                f"{where} has no field {field!r}; its fields are {sorted(example)}. "
+                "Set data.sources.<name>.text_field to the one that holds the text."
+            )
+        yield {"text": example[field]}
+
+
+def _load_hub(cfg: SourceConfig, hf_cache: Path) -> datasets.Dataset:
+    where = f"hub dataset {cfg.path}" + (f" ({cfg.subset})" if cfg.subset else "")
+    try:
+        ds = datasets.load_dataset(
+            cfg.path,
+            cfg.subset,
+            split=cfg.split,
+            streaming=cfg.streaming,
+            revision=cfg.revision,
+            cache_dir=str(hf_cache),
+        )
+        if not cfg.streaming:
+            return _cap(_select_text(ds, cfg, where), cfg.max_entries)
+        if cfg.max_entries is None:
+            log.warning("streaming all of %s: set data.sources.<name>.max_entries to bound it", where)
+        else:
+            ds = ds.take(cfg.max_entries)
+        # materialize the stream as Arrow on disk, so the later steps can memory-map it
+        return datasets.Dataset.from_generator(
+            _iter_stream,
+            gen_kwargs={"stream": ds, "field": cfg.text_field, "where": where},
+            features=TEXT_FEATURES,
+            cache_dir=str(hf_cache),
+        )
+    except ConnectionError as err:  # also what `datasets` raises in offline mode
+        raise DataSourceError(
+            f"could not reach the Hugging Face hub for {where}: {err}. {OFFLINE_HINT}"
+        ) from err
+    except datasets.exceptions.DatasetGenerationError as err:  # raised inside the stream
+        cause = err.__cause__ or err
+        if isinstance(cause, DataSourceError):
+            raise cause from None
+        raise DataSourceError(f"streaming {where} failed: {cause}. {OFFLINE_HINT}") from err
+
+
+def _load_embedded(cfg: SourceConfig) -> datasets.Dataset:
+    texts = [doc["text"] for doc in embedded.iter_stdlib_docs()]
+    return _cap(datasets.Dataset.from_dict({"text": texts}, features=TEXT_FEATURES), cfg.max_entries)
+
+
+def _join_entries(ds: datasets.Dataset, n: int) -> datasets.Dataset:
+    """Join every n consecutive entries into one document (for sentence-per-row corpora)."""
+
+    def join(batch: dict[str, list[str]]) -> dict[str, list[str]]:
+        texts = batch["text"]
+        return {"text": ["\n".join(texts[i : i + n]) for i in range(0, len(texts), n)]}
+
+    return ds.map(join, batched=True, batch_size=n * 1000, desc=f"joining every {n} entries")
+
+
+def load_source(cfg: SourceConfig, hf_cache: Path) -> datasets.Dataset:
+    if cfg.kind == "hub":
+        ds = _load_hub(cfg, hf_cache)
+    elif cfg.kind == "local":
+        ds = _load_local(cfg, hf_cache)
+    else:
+        ds = _load_embedded(cfg)
+    if cfg.join_entries > 1:
+        ds = _join_entries(ds, cfg.join_entries)
+    return ds
+
+
+def load_raw_corpus(cfg: DataConfig, hf_cache: Path) -> datasets.Dataset:
+    """All sources of the data config, concatenated in the order they are listed."""
+    parts = []
+    for name, source in cfg.sources.items():
+        ds = load_source(source, hf_cache)
+        log.info("source %s (%s): %d entries", name, source.kind, len(ds))
+        parts.append(ds)
+    return datasets.concatenate_datasets(parts)

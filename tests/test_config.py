@@ -1,0 +1,82 @@
+"""Config composition and validation: wrong keys and values fail at start-up, naming the key."""
+
+from __future__ import annotations
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.errors import ConfigCompositionException
+from omegaconf.errors import ConfigKeyError, ValidationError
+
+from cramming.config import CONF_DIR, PretrainConfig, register_configs, validate
+from cramming.errors import ConfigError
+
+register_configs()
+
+
+def _compose(*overrides: str):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return compose("pretrain", overrides=list(overrides))
+
+
+def test_default_config_is_the_cramming_recipe():
+    cfg = validate(_compose())
+    assert isinstance(cfg, PretrainConfig)
+    assert cfg.budget == 24
+    assert cfg.data.name == "wikibooks"
+    assert cfg.data.seq_length == 128
+    assert cfg.data.tokenizer.vocab_size == 32768
+
+
+@pytest.mark.parametrize("data", ["embedded", "wikibooks", "fineweb-edu"])
+def test_every_data_config_validates(data):
+    cfg = validate(_compose(f"data={data}"))
+    assert cfg.data.name == data
+
+
+def test_local_data_with_files_validates():
+    cfg = validate(_compose("data=local", "data.sources.local.files=/tmp/*.jsonl"))
+    assert cfg.data.sources["local"].files == "/tmp/*.jsonl"
+
+
+def test_unknown_key_is_rejected_by_name():
+    with pytest.raises((ConfigCompositionException, ConfigKeyError)) as err:
+        _compose("data.vocab=123")
+    assert "vocab" in str(err.value) + str(err.value.__cause__)
+
+
+def test_wrong_type_is_rejected_by_name():
+    with pytest.raises((ConfigCompositionException, ValidationError)) as err:
+        _compose("data.seq_length=long")
+    assert "seq_length" in str(err.value) + str(err.value.__cause__)
+
+
+@pytest.mark.parametrize(
+    ("override", "key"),
+    [
+        ("data.ordering=sideways", "data.ordering"),
+        ("data.tokenizer.kind=sentencepiece", "data.tokenizer.kind"),
+        ("data.seq_length=4", "data.seq_length"),
+        ("data.validation_fraction=0.9", "data.validation_fraction"),
+        ("data.sources.wikipedia.kind=ftp", "data.sources.wikipedia.kind"),
+        ("budget=0", "budget"),
+        ("impl.precision=fp8", "impl.precision"),
+    ],
+)
+def test_bad_value_names_the_key(override, key):
+    with pytest.raises(ConfigError) as err:
+        validate(_compose(override))
+    assert f"`{key}`" in str(err.value)
+
+
+def test_local_source_without_files_says_how_to_fix():
+    with pytest.raises(ConfigError) as err:
+        validate(_compose("data=local"))
+    assert "data.sources.local.files" in str(err.value)
+
+
+def test_run_directory_is_predictable():
+    from hydra import compose as hydra_compose
+
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = hydra_compose("pretrain", overrides=["name=myrun", "base_dir=/runs"], return_hydra_config=True)
+    assert cfg.hydra.run.dir.startswith("/runs/myrun/")

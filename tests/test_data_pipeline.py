@@ -1,0 +1,289 @@
+"""The preprocessing pipeline: normalization, filters, dedup, tokenizers, packing, ordering and the cache."""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from cramming.data import SPECIAL_TOKENS, load_pretraining_data, prepare_pretraining_data
+from cramming.data import pipeline as pipeline_module
+from cramming.data.config import NormalizerConfig, TokenizerConfig
+from cramming.data.pipeline import cache_dir_for, join_with_separator
+from cramming.data.tokenizer import build_normalizer, train_tokenizer
+from cramming.errors import DataSourceError
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _write_jsonl(path, texts):
+    with open(path, "w", encoding="utf-8") as f:
+        for t in texts:
+            f.write(json.dumps({"text": t}) + "\n")
+
+
+@pytest.fixture
+def corpus(tmp_path, wiki_texts):
+    """A folder with one JSONL file of 60 real articles."""
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    _write_jsonl(folder / "wiki.jsonl", wiki_texts[:60])
+    return folder
+
+
+def _all_rows(ds) -> np.ndarray:
+    return np.asarray(ds.with_format("numpy")["input_ids"])
+
+
+# ---------------------------------------------------------------- normalization and filters
+
+
+def test_normalizer_nfkc_lowercase_accents():
+    norm = build_normalizer(NormalizerConfig())
+    assert norm.normalize_str("Ｃafé Ǆ ﬁne Ⅻ") == "cafe dz fine xii"
+    keep_case = build_normalizer(NormalizerConfig(lowercase=False, strip_accents=False))
+    assert keep_case.normalize_str("Café ﬁne") == "Café fine"
+    nothing = build_normalizer(NormalizerConfig(nfkc=False, lowercase=False, strip_accents=False))
+    assert nothing.normalize_str("Ｃafé ﬁne") == "Ｃafé ﬁne"
+
+
+def test_length_filter_dedup_and_trash_filter(tmp_path, wiki_texts, data_config):
+    articles = [t for t in wiki_texts if len(t) > 1000][:30]
+    short = "Too short."
+    # the same article again, differing only in case: a duplicate once normalized
+    duplicate = articles[0].replace("e", "E")
+    # a long text of rare symbol runs tokenizes at far more tokens per character than prose
+    rng = np.random.default_rng(0)
+    trash = " ".join("".join(rng.choice(list("qxzj#%&@0987"), size=3)) for _ in range(400))
+    folder = tmp_path / "c"
+    folder.mkdir()
+    _write_jsonl(folder / "a.jsonl", [*articles, short, duplicate, trash])
+    cfg = data_config(folder, {"validation_fraction": 0.0, "ordering": "none"})
+    stats = prepare_pretraining_data(cfg, tmp_path / "cache").stats
+    assert stats["raw_documents"] == 33
+    assert stats["documents_after_length_filter"] == 32  # the short text is gone
+    assert stats["documents_after_dedup"] == 31  # the duplicate is gone
+    assert stats["train_dropped_by_token_ratio"] == 1  # the trash is gone
+    assert stats["train_documents"] == 30
+
+
+def test_filters_can_be_switched_off(tmp_path, wiki_texts, data_config):
+    folder = tmp_path / "c"
+    folder.mkdir()
+    _write_jsonl(folder / "a.jsonl", [*wiki_texts[:10], wiki_texts[0], "short"])
+    cfg = data_config(
+        folder,
+        {
+            "filter.min_chars": 0,
+            "filter.deduplicate": False,
+            "filter.max_tokens_per_char_vs_median": None,
+            "validation_fraction": 0.0,
+        },
+    )
+    stats = prepare_pretraining_data(cfg, tmp_path / "cache").stats
+    assert stats["train_documents"] == 12
+
+
+# ---------------------------------------------------------------- tokenizers
+
+
+@pytest.mark.parametrize("kind", ["wordpiece", "bpe", "unigram"])
+def test_tokenizer_round_trip_and_special_ids(kind, wiki_texts):
+    norm_cfg = NormalizerConfig()
+    norm = build_normalizer(norm_cfg)
+    texts = [norm.normalize_str(t) for t in wiki_texts[:80]]
+    tok = train_tokenizer([texts], TokenizerConfig(kind=kind, vocab_size=2000), norm_cfg, length=len(texts))
+    for i, token in enumerate(SPECIAL_TOKENS):
+        assert tok.token_to_id(token) == i
+    assert tok.get_vocab_size() <= 2000
+    raw = wiki_texts[3][:2000]
+    ids = tok.encode(raw, add_special_tokens=False).ids
+    assert tok.token_to_id("[UNK]") not in ids
+    decoded = tok.decode(ids)
+    # decoders may re-space punctuation; the characters themselves must survive, normalized
+    assert "".join(decoded.split()) == "".join(norm.normalize_str(raw).split())
+    pair = tok.encode("first part", "second part")
+    assert pair.ids[0] == tok.token_to_id("[CLS]")
+    assert pair.ids.count(tok.token_to_id("[SEP]")) == 2
+    assert set(pair.type_ids) == {0, 1}
+
+
+# ---------------------------------------------------------------- packing
+
+
+def test_join_with_separator():
+    values = np.array([1, 2, 3, 4, 5, 6], dtype=np.uint16)
+    offsets = np.array([0, 2, 2, 6])  # documents [1 2], [], [3 4 5 6]
+    assert join_with_separator(values, offsets, 9).tolist() == [1, 2, 9, 9, 3, 4, 5, 6, 9]
+
+
+@pytest.mark.parametrize("seq_length", [16, 128])
+def test_rows_are_exact_and_reproduce_the_documents(tmp_path, corpus, data_config, seq_length):
+    """Every row has seq_length tokens; the rows, concatenated, are the documents joined with [SEP]."""
+    cfg = data_config(
+        corpus,
+        {
+            "seq_length": seq_length,
+            "ordering": "none",
+            "validation_fraction": 0.0,
+            "filter.min_chars": 1,
+            "filter.max_tokens_per_char_vs_median": None,
+        },
+    )
+    data = prepare_pretraining_data(cfg, tmp_path / "cache")
+    rows = _all_rows(data.train)
+    assert rows.ndim == 2 and rows.shape[1] == seq_length
+    assert data.train.features["input_ids"].length == seq_length
+    # an independent tokenization of the raw texts (the tokenizer carries the normalizer)
+    texts = [json.loads(line)["text"] for line in (corpus / "wiki.jsonl").read_text().splitlines()]
+    stream = []
+    for text in texts:
+        stream += data.tokenizer.encode(text, add_special_tokens=False).ids + [data.special.sep]
+    n = rows.size
+    assert len(stream) - n < seq_length  # only the last partial row is dropped
+    np.testing.assert_array_equal(rows.ravel(), np.array(stream[:n]))
+    assert data.stats["train_tokens"] == len(stream)
+
+
+def test_orderings_and_row_cap(tmp_path, corpus, data_config):
+    # The orderings are applied to one build's rows: WordPiece training in `tokenizers` breaks ties in a
+    # per-process hash order, so two builds of the same config may differ in a few vocabulary entries.
+    base = {"validation_fraction": 0.0, "seq_length": 32}
+    data = prepare_pretraining_data(data_config(corpus, base | {"ordering": "none"}), tmp_path / "c")
+    plain = _all_rows(data.train)
+
+    def ordered(overrides):
+        return _all_rows(
+            pipeline_module._order(data.train, data_config(corpus, base | overrides), data.vocab_size)
+        )
+
+    shuffled, curriculum = ordered({"ordering": "random"}), ordered({"ordering": "curriculum"})
+    assert not np.array_equal(plain, shuffled)
+    for rows in (shuffled, curriculum):  # the same rows, reordered
+        np.testing.assert_array_equal(np.unique(rows, axis=0), np.unique(plain, axis=0))
+    # curriculum: rows of frequent tokens first, so mean token surprisal rises
+    counts = np.bincount(plain.ravel(), minlength=data.vocab_size)
+    surprisal = -np.log((counts + 1) / (counts.sum() + len(counts)))
+    assert np.all(np.diff(surprisal[curriculum].mean(axis=1)) >= -1e-9)
+    assert not np.array_equal(curriculum, plain)
+    np.testing.assert_array_equal(ordered({"ordering": "none", "max_rows": 7}), plain[:7])
+    np.testing.assert_array_equal(ordered({"ordering": "random", "max_rows": 7}), shuffled[:7])
+
+
+def test_validation_split_holds_out_whole_documents(tmp_path, corpus, data_config):
+    overrides = {"validation_fraction": 0.1, "filter.max_tokens_per_char_vs_median": None}
+    data = prepare_pretraining_data(data_config(corpus, overrides), tmp_path / "cache")
+    assert data.validation is not None and len(data.validation) > 0
+    docs = data.stats["documents_after_dedup"]
+    assert data.stats["validation_documents"] == round(0.1 * docs)
+    assert data.stats["train_documents"] + data.stats["validation_documents"] == docs
+    # no validation text appears in the training rows: check a distinctive 12-token window
+    train = _all_rows(data.train).ravel()
+    window = _all_rows(data.validation).ravel()[20:32]
+    hits = np.flatnonzero(np.all(np.lib.stride_tricks.sliding_window_view(train, 12) == window, axis=1))
+    assert len(hits) == 0
+
+
+# ---------------------------------------------------------------- cache
+
+
+def test_cache_is_reused_and_invalidated(tmp_path, corpus, data_config, caplog, monkeypatch):
+    cfg = data_config(corpus)
+    first = prepare_pretraining_data(cfg, tmp_path / "cache")
+
+    def fail(*args, **kwargs):
+        raise AssertionError("the cached data should have been used")
+
+    with monkeypatch.context() as m, caplog.at_level(logging.INFO, logger="cramming"):
+        m.setattr(pipeline_module, "_build", fail)
+        second = prepare_pretraining_data(cfg, tmp_path / "cache")
+    assert second.path == first.path
+    assert "skipping preprocessing" in caplog.text
+    np.testing.assert_array_equal(_all_rows(second.train), _all_rows(first.train))
+    # the data config, the tokenizer and the data are saved together
+    assert {"dataset", "tokenizer.json", "data_config.yaml", "stats.json"} <= {
+        p.name for p in first.path.iterdir()
+    }
+
+    changed = data_config(corpus, {"seq_length": 32})
+    assert cache_dir_for(changed, tmp_path / "cache") != first.path
+    assert cache_dir_for(data_config(corpus, {"tokenizer.kind": "bpe"}), tmp_path / "cache") != first.path
+    # the label is not part of the hash, only of the folder name
+    relabeled = data_config(corpus)
+    relabeled.name = "other"
+    assert cache_dir_for(relabeled, tmp_path / "cache").name.split("-")[-1] == first.path.name.split("-")[-1]
+    # new file content makes a new cache even with the same config
+    _write_jsonl(corpus / "wiki.jsonl", ["An entirely different text about the history of bridges. " * 5] * 3)
+    assert cache_dir_for(cfg, tmp_path / "cache") != first.path
+
+
+def test_interrupted_build_leaves_no_cache(tmp_path, corpus, data_config, monkeypatch):
+    cfg = data_config(corpus)
+
+    def crash(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as m:
+        m.setattr(pipeline_module, "_pack", crash)
+        with pytest.raises(KeyboardInterrupt):
+            prepare_pretraining_data(cfg, tmp_path / "cache")
+    assert [p.name for p in (tmp_path / "cache").iterdir() if p.name != "hf"] == []
+    data = prepare_pretraining_data(cfg, tmp_path / "cache")  # and a later run builds it cleanly
+    assert len(data.train) > 0
+
+
+def test_loading_an_incomplete_folder_is_a_clear_error(tmp_path):
+    with pytest.raises(DataSourceError, match="no complete processed dataset"):
+        load_pretraining_data(tmp_path)
+
+
+def test_too_little_text_is_a_clear_error(tmp_path, data_config):
+    folder = tmp_path / "c"
+    folder.mkdir()
+    _write_jsonl(
+        folder / "a.jsonl", ["A single short sentence that is long enough to pass the length filter."]
+    )
+    with pytest.raises(DataSourceError, match="fewer than one row"):
+        prepare_pretraining_data(data_config(folder, {"validation_fraction": 0.0}), tmp_path / "cache")
+
+
+# ---------------------------------------------------------------- end to end on the shared Wikipedia data
+
+
+@pytest.mark.slow
+def test_pretrain_dryrun_on_shared_wikipedia(tmp_path, wiki_shard):
+    """`pretrain.py dryrun=true` on a slice of a real shard: preprocesses once, then finds the cache."""
+    args = [
+        sys.executable,
+        str(REPO / "pretrain.py"),
+        "data=local",
+        f"data.sources.local.files={wiki_shard}",
+        "data.sources.local.max_entries=300",
+        "data.tokenizer.vocab_size=4096",
+        "dryrun=true",
+        f"base_dir={tmp_path}",
+        "impl.num_proc=2",
+    ]
+    first = subprocess.run(args, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "preprocessed" in first.stdout + first.stderr
+    second = subprocess.run(args, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "skipping preprocessing" in second.stdout + second.stderr
+
+    (cache,) = [p for p in (tmp_path / "data").iterdir() if p.name.startswith("local-")]
+    data = load_pretraining_data(cache)
+    assert data.vocab_size == 4096
+    assert len(data.train) > 1000
+    stats = data.stats
+    assert stats["raw_documents"] == 300
+    assert stats["documents_after_dedup"] <= stats["raw_documents"]
+    # real English comes back out of the rows
+    text = data.tokenizer.decode(_all_rows(data.train)[:20].ravel().tolist())
+    words = text.split()
+    assert words.count("the") / len(words) > 0.02

@@ -1,0 +1,129 @@
+"""Raw sources: every local file format, the embedded corpus, and the hub's offline error."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from cramming.data import embedded
+from cramming.data.config import SourceConfig
+from cramming.data.sources import OFFLINE_HINT, load_source, resolve_local_files, source_fingerprint
+from cramming.errors import DataSourceError
+
+
+def _write_jsonl(path, texts, field="text", compress=False):
+    opener = gzip.open if compress else open
+    with opener(path, "wt", encoding="utf-8") as f:
+        for i, t in enumerate(texts):
+            f.write(json.dumps({"id": i, field: t}) + "\n")
+
+
+@pytest.mark.parametrize("ending", [".jsonl", ".jsonl.gz", ".json"])
+def test_json_lines_files(tmp_path, wiki_texts, ending):
+    texts = wiki_texts[:5]
+    _write_jsonl(tmp_path / f"part{ending}", texts, compress=ending.endswith(".gz"))
+    ds = load_source(SourceConfig(kind="local", files=str(tmp_path / f"*{ending}")), tmp_path / "hf")
+    assert ds.column_names == ["text"]
+    assert ds["text"] == texts
+
+
+def test_custom_text_field_and_missing_field(tmp_path, wiki_texts):
+    folder = tmp_path / "data"
+    folder.mkdir()
+    _write_jsonl(folder / "a.jsonl", wiki_texts[:3], field="body")
+    ds = load_source(SourceConfig(kind="local", files=str(folder), text_field="body"), tmp_path / "hf")
+    assert ds["text"] == wiki_texts[:3]
+    with pytest.raises(DataSourceError, match=r"no field 'text'.*'body'.*text_field"):
+        load_source(SourceConfig(kind="local", files=str(folder)), tmp_path / "hf")
+
+
+def test_parquet_files(tmp_path, wiki_texts):
+    pq.write_table(pa.table({"text": wiki_texts[:4], "title": ["t"] * 4}), tmp_path / "a.parquet")
+    ds = load_source(SourceConfig(kind="local", files=str(tmp_path / "a.parquet")), tmp_path / "hf")
+    assert ds["text"] == wiki_texts[:4]
+
+
+@pytest.mark.parametrize(("unit", "expected"), [("document", 2), ("paragraph", 5), ("line", 6)])
+def test_txt_files_by_unit(tmp_path, unit, expected):
+    folder = tmp_path / "data"
+    folder.mkdir()
+    (folder / "a.txt").write_text("First line.\nSecond line.\n\nNew paragraph.\n")
+    (folder / "b.txt").write_text("One.\n\nTwo.\n\nThree.\n")
+    ds = load_source(SourceConfig(kind="local", files=str(folder), txt_unit=unit), tmp_path / "hf")
+    assert len([t for t in ds["text"] if t.strip()]) == expected
+
+
+def test_folder_is_searched_recursively_and_in_order(tmp_path, wiki_texts):
+    folder = tmp_path / "data"
+    (folder / "sub").mkdir(parents=True)
+    _write_jsonl(folder / "sub" / "b.jsonl", wiki_texts[2:4])
+    _write_jsonl(folder / "a.jsonl", wiki_texts[:2])
+    (folder / "notes.md").write_text("not a corpus file")
+    files = resolve_local_files(str(folder))
+    assert [os.path.basename(f) for f in files] == ["a.jsonl", "b.jsonl"]
+    ds = load_source(SourceConfig(kind="local", files=str(folder)), tmp_path / "hf")
+    assert ds["text"] == wiki_texts[:4]
+
+
+def test_max_entries_and_join_entries(tmp_path, wiki_texts):
+    files = str(tmp_path / "a.jsonl")
+    _write_jsonl(files, wiki_texts[:10])
+    capped = load_source(SourceConfig(kind="local", files=files, max_entries=6), tmp_path / "hf")
+    assert capped["text"] == wiki_texts[:6]
+    joined = load_source(
+        SourceConfig(kind="local", files=files, max_entries=6, join_entries=4), tmp_path / "hf"
+    )
+    assert joined["text"] == ["\n".join(wiki_texts[:4]), "\n".join(wiki_texts[4:6])]
+
+
+def test_no_matching_files_is_a_clear_error(tmp_path):
+    with pytest.raises(DataSourceError, match=r"no readable text files match .*data.sources"):
+        resolve_local_files(str(tmp_path / "*.jsonl"))
+
+
+def test_fingerprint_changes_with_file_content(tmp_path, wiki_texts):
+    _write_jsonl(tmp_path / "a.jsonl", wiki_texts[:2])
+    cfg = SourceConfig(kind="local", files=str(tmp_path / "a.jsonl"))
+    before = source_fingerprint(cfg)
+    _write_jsonl(tmp_path / "a.jsonl", wiki_texts[:3])
+    assert source_fingerprint(cfg) != before
+
+
+def test_embedded_corpus_is_real_english_prose():
+    docs = list(embedded.iter_stdlib_docs())
+    text = " ".join(d["text"] for d in docs)
+    assert len(docs) > 2000 and len(text) > 1_000_000
+    words = text.lower().split()
+    # function words of English prose are frequent, as in any real English text
+    for word in ("the", "of", "and", "is", "to", "a"):
+        assert words.count(word) / len(words) > 0.005, word
+    assert any(d["source"] == "pydoc_data/topics.py" for d in docs)
+
+
+def test_hub_unreachable_names_offline_alternatives(tmp_path):
+    """The real `datasets` hub path in offline mode: fails fast with the embedded/local hint."""
+    script = textwrap.dedent(
+        f"""
+        from cramming.data.config import SourceConfig
+        from cramming.data.sources import load_source
+        from cramming.errors import DataSourceError
+        try:
+            load_source(SourceConfig(kind="hub", path="wikimedia/wikipedia", subset="20231101.en"), {str(tmp_path)!r})
+        except DataSourceError as err:
+            print("ERROR:", err)
+        """
+    )
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert "ERROR: could not reach the Hugging Face hub for hub dataset wikimedia/wikipedia" in out.stdout, (
+        out.stderr
+    )
+    assert OFFLINE_HINT in out.stdout
