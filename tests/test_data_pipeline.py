@@ -70,6 +70,8 @@ def test_length_filter_dedup_and_trash_filter(tmp_path, wiki_texts, data_config)
     assert stats["documents_after_dedup"] == 31  # the duplicate is gone
     assert stats["train_dropped_by_token_ratio"] == 1  # the trash is gone
     assert stats["train_documents"] == 30
+    # counts are of the kept documents only: the rows hold all their tokens but the last partial row
+    assert stats["train_rows"] * 64 <= stats["train_tokens"] < (stats["train_rows"] + 1) * 64
 
 
 def test_filters_can_be_switched_off(tmp_path, wiki_texts, data_config):

@@ -129,10 +129,22 @@ class _Steps:
         log.info("%s done in %.1f s%s", name, took, rate)
 
 
+def _arrow_column(ds: datasets.Dataset, column: str) -> Iterator[pa.Array]:
+    """One column in Arrow batches, with any row selection (indices mapping) of `ds` applied."""
+    for table in ds.select_columns([column]).with_format("arrow").iter(batch_size=10 * BATCH):
+        yield table.column(column).combine_chunks()
+
+
+def _numpy_column(ds: datasets.Dataset, column: str) -> np.ndarray:
+    parts = [batch.to_numpy(zero_copy_only=False) for batch in _arrow_column(ds, column)]
+    return np.concatenate(parts) if parts else np.empty(0)
+
+
 def _text_megabytes(ds: datasets.Dataset) -> float:
-    if len(ds) == 0:
-        return 0.0
-    return pc.sum(pc.binary_length(ds.data.column("text").cast(pa.binary()))).as_py() / 1e6
+    total = sum(
+        pc.sum(pc.binary_length(batch.cast(pa.binary()))).as_py() or 0 for batch in _arrow_column(ds, "text")
+    )
+    return total / 1e6
 
 
 def _clean(raw: datasets.Dataset, cfg: DataConfig, num_proc: int, scratch: Path) -> datasets.Dataset:
@@ -163,7 +175,7 @@ def _clean(raw: datasets.Dataset, cfg: DataConfig, num_proc: int, scratch: Path)
 
 def _deduplicate(docs: datasets.Dataset) -> datasets.Dataset:
     """Keep the first occurrence of every normalized text (by 64-bit hash)."""
-    hashes = docs.data.column("hash").to_numpy()
+    hashes = _numpy_column(docs, "hash")
     _, first = np.unique(hashes, return_index=True)
     return docs.select(np.sort(first))
 
@@ -185,9 +197,8 @@ def _split_validation(
     return docs.select(np.flatnonzero(keep)), docs.select(val_idx)
 
 
-def _text_batches(docs: datasets.Dataset, limit: int | None) -> Iterator[list[str]]:
-    subset = docs if limit is None or limit >= len(docs) else docs.select(range(limit))
-    for batch in subset.select_columns(["text"]).iter(batch_size=BATCH):
+def _text_batches(docs: datasets.Dataset) -> Iterator[list[str]]:
+    for batch in docs.select_columns(["text"]).iter(batch_size=BATCH):
         yield batch["text"]
 
 
@@ -219,13 +230,15 @@ def _tokenize(
 def _drop_trash(tokenized: datasets.Dataset, cutoff: float | None) -> datasets.Dataset:
     """Drop documents above `cutoff` tokens per character (the cramming "trash" filter)."""
     if cutoff is not None:
-        ratios = tokenized.data.column("tokens_per_char").to_numpy()
+        ratios = _numpy_column(tokenized, "tokens_per_char")
         tokenized = tokenized.select(np.flatnonzero(ratios <= cutoff))
     return tokenized.remove_columns("tokens_per_char")
 
 
 def _token_count(tokenized: datasets.Dataset) -> int:
-    return int(pc.sum(pc.list_value_length(tokenized.data.column("ids"))).as_py() or 0)
+    return sum(
+        int(pc.sum(pc.list_value_length(batch)).as_py() or 0) for batch in _arrow_column(tokenized, "ids")
+    )
 
 
 def join_with_separator(values: np.ndarray, offsets: np.ndarray, sep: int) -> np.ndarray:
@@ -316,12 +329,13 @@ def _build(cfg: DataConfig, path: Path, hf_cache: Path, num_proc: int) -> None:
                 docs = _deduplicate(docs)
         stats["documents_after_dedup"] = len(docs)
         train_docs, val_docs = _split_validation(docs, cfg)
-        with steps.step("train tokenizer", _text_megabytes(train_docs)):
-            limit = cfg.tokenizer.max_train_entries
-            length = len(train_docs) if limit is None else min(limit, len(train_docs))
-            tokenizer = train_tokenizer(
-                _text_batches(train_docs, limit), cfg.tokenizer, cfg.normalizer, length
-            )
+        limit = cfg.tokenizer.max_train_entries
+        tok_docs = (
+            train_docs if limit is None or limit >= len(train_docs) else train_docs.select(range(limit))
+        )
+        stats["tokenizer_train_megabytes"] = round(_text_megabytes(tok_docs), 3)
+        with steps.step("train tokenizer", stats["tokenizer_train_megabytes"]):
+            tokenizer = train_tokenizer(_text_batches(tok_docs), cfg.tokenizer, cfg.normalizer, len(tok_docs))
         id_type = "uint16" if tokenizer.get_vocab_size() <= 2**16 else "int32"
         sep = SpecialTokens().sep
         splits, cutoff = {}, None
@@ -332,7 +346,7 @@ def _build(cfg: DataConfig, path: Path, hf_cache: Path, num_proc: int) -> None:
                 tokenized = _tokenize(split_docs, tokenizer, id_type, scratch / f"tok-{split}.arrow")
             factor = cfg.filter.max_tokens_per_char_vs_median
             if factor is not None and split == "train":  # validation uses the training cut-off
-                median = float(np.median(tokenized.data.column("tokens_per_char").to_numpy()))
+                median = float(np.median(_numpy_column(tokenized, "tokens_per_char")))
                 cutoff = factor * median
                 stats.update(
                     median_tokens_per_char=round(median, 4), trash_cutoff_tokens_per_char=round(cutoff, 4)
