@@ -33,6 +33,13 @@ def wiki_shard() -> Path:
     return shard
 
 
+@pytest.fixture
+def glue_dir() -> Path:
+    if not GLUE_DIR.exists():
+        pytest.skip(f"shared GLUE data not found at {GLUE_DIR}")
+    return GLUE_DIR
+
+
 def _wiki_texts(n: int) -> list[str]:
     import gzip
     import json

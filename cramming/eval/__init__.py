@@ -1,0 +1,1 @@
+"""GLUE fine-tuning and evaluation: tasks, data, metrics and scores."""

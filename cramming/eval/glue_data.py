@@ -1,0 +1,110 @@
+"""Read a GLUE task from a local folder in the original TSV layout, or from the hub (`nyu-mll/glue`)."""
+
+from __future__ import annotations
+
+import csv
+import logging
+from pathlib import Path
+
+import datasets
+
+from cramming.errors import DataSourceError
+from cramming.eval.tasks import HUB_PATH, GlueTask
+
+log = logging.getLogger("cramming")
+
+FEATURES = {
+    "classification": datasets.Features(
+        {
+            "text_a": datasets.Value("string"),
+            "text_b": datasets.Value("string"),
+            "label": datasets.Value("int64"),
+        }
+    ),
+    "regression": datasets.Features(
+        {
+            "text_a": datasets.Value("string"),
+            "text_b": datasets.Value("string"),
+            "label": datasets.Value("float32"),
+        }
+    ),
+}
+
+
+class TaskDataMissing(DataSourceError):
+    """A task's files are not there (e.g. QQP and MNLI in a partial copy of GLUE); the task is skipped."""
+
+
+def _features(task: GlueTask) -> datasets.Features:
+    return FEATURES["regression" if task.is_regression else "classification"]
+
+
+def read_tsv(path: Path, task: GlueTask) -> datasets.Dataset:
+    """One TSV file of the original GLUE layout: tab-separated, no quoting, a header unless the task says not."""
+    layout = task.tsv
+    rows: dict[str, list] = {"text_a": [], "text_b": [], "label": []}
+    with open(path, encoding="utf-8-sig", newline="") as f:  # -sig: MRPC's files start with a byte-order mark
+        reader = csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE)
+        header = list(layout.columns) if layout.columns else next(reader)
+        missing = [c for c in (layout.text_a, layout.text_b, layout.label) if c and c not in header]
+        if missing:
+            raise DataSourceError(f"{path} has no column(s) {missing}; its header is {header}")
+        col = {name: header.index(name) for name in (layout.text_a, layout.text_b, layout.label) if name}
+        for line_no, fields in enumerate(reader, start=2 if not layout.columns else 1):
+            if not fields:
+                continue
+            if len(fields) < len(header):
+                raise DataSourceError(f"{path}:{line_no} has {len(fields)} fields, expected {len(header)}")
+            rows["text_a"].append(fields[col[layout.text_a]])
+            rows["text_b"].append(fields[col[layout.text_b]] if layout.text_b else "")
+            rows["label"].append(_label(fields[col[layout.label]], task, f"{path}:{line_no}"))
+    return datasets.Dataset.from_dict(rows, features=_features(task))
+
+
+def _label(raw: str, task: GlueTask, where: str) -> int | float:
+    if task.is_regression:
+        return float(raw)
+    if raw not in task.labels:
+        raise DataSourceError(f"{where}: label {raw!r} is not one of {task.labels}")
+    return task.labels.index(raw)
+
+
+def load_local(task: GlueTask, glue_dir: str | Path) -> datasets.DatasetDict:
+    """`train` plus the task's evaluation splits (named as in GlueTask.eval_splits) from `glue_dir/<task>/`."""
+    folder = Path(glue_dir) / task.name
+    files = {"train": folder / "train.tsv"} | {
+        split or "dev": folder / f"{stem}.tsv" for split, stem, _ in task.eval_splits
+    }
+    absent = [str(p) for p in files.values() if not p.exists()]
+    if absent:
+        raise TaskDataMissing(f"{task.name}: missing {', '.join(absent)}")
+    return datasets.DatasetDict({split: read_tsv(path, task) for split, path in files.items()})
+
+
+def load_hub(task: GlueTask, cache_dir: str | Path | None = None) -> datasets.DatasetDict:
+    """The same splits from the hub's `nyu-mll/glue`, renamed to the local layout."""
+    try:
+        hub = datasets.load_dataset(
+            HUB_PATH, task.hub_config, cache_dir=str(cache_dir) if cache_dir else None
+        )
+    except ConnectionError as err:
+        raise TaskDataMissing(
+            f"{task.name}: could not reach the Hugging Face hub ({err}); point eval.glue_dir at a local copy "
+            "of GLUE in the original TSV layout"
+        ) from err
+    splits = {"train": "train"} | {split or "dev": hub_split for split, _, hub_split in task.eval_splits}
+    out = {}
+    for name, hub_split in splits.items():
+        ds = hub[hub_split]
+        text_b = ds[task.hub_text_b] if task.hub_text_b else [""] * len(ds)
+        out[name] = datasets.Dataset.from_dict(
+            {"text_a": ds[task.hub_text_a], "text_b": text_b, "label": ds["label"]}, features=_features(task)
+        )
+    return datasets.DatasetDict(out)
+
+
+def load_task(
+    task: GlueTask, glue_dir: str | Path | None, cache_dir: str | Path | None = None
+) -> datasets.DatasetDict:
+    """From `glue_dir` when given, else from the hub. Raises TaskDataMissing when the task cannot be had."""
+    return load_local(task, glue_dir) if glue_dir else load_hub(task, cache_dir)
