@@ -2,4 +2,30 @@
 
 Installed as `cramming.kernels` (see pyproject.toml): import them as `from cramming.kernels import ...`,
 never as a bare `kernels`, which is also the name of an unrelated PyPI distribution.
+
+The kernel modules (`attention`, `layernorm`) import triton; this file does not, so that the package
+imports on a machine without triton and `triton_status()` can say why the kernels are unavailable.
 """
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+
+def triton_status() -> tuple[bool, str]:
+    """Whether a Triton kernel can launch here, and why not when it cannot.
+
+    A kernel launches on a CUDA device, or on CPU in the Triton interpreter (`TRITON_INTERPRET=1`, read by
+    triton when a kernel module is first imported: set it before that). The model uses this to fall back
+    to its PyTorch path with one warning, or to raise when asked to be strict.
+    """
+    if importlib.util.find_spec("triton") is None:
+        return False, "triton is not installed (pip install triton; it ships for Linux only)"
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        return True, "Triton interpreter (TRITON_INTERPRET=1): runs on CPU, slow, for tests only"
+    import torch
+
+    if torch.cuda.is_available():
+        return True, f"CUDA device: {torch.cuda.get_device_name()}"
+    return False, "no CUDA device, and TRITON_INTERPRET=1 is not set (set it before importing the kernels)"

@@ -1,0 +1,253 @@
+"""Fused attention kernel against its PyTorch reference: forward, every gradient, masks, dropout.
+
+On CPU these run in the Triton interpreter (tests/conftest.py sets TRITON_INTERPRET=1), so the shapes are
+small but awkward: seq 1, odd lengths, ragged last blocks, padded rows of different lengths, a sequence
+with no real token at all. On a GPU the same tests run on CUDA, plus the `gpu`-marked ones.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from cramming.kernels import triton_status
+from kernel_checks import assert_close
+
+TRITON_OK, TRITON_WHY = triton_status()
+pytestmark = pytest.mark.skipif(not TRITON_OK, reason=f"Triton cannot launch here: {TRITON_WHY}")
+
+if TRITON_OK:
+    from cramming.kernels.attention import (
+        AttentionBlocks,
+        _FlashAttention,
+        attention_reference,
+        draw_dropout_seed,
+        dropout_keep_mask,
+        flash_attention,
+    )
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+needs_gpu = pytest.mark.skipif(not CUDA, reason="needs a CUDA device (bf16 and speed are GPU-only)")
+
+# (atol, rtol) against an fp32 reference fed the same (rounded) inputs. The kernel rounds P and dS to the
+# input dtype before each matmul, as FlashAttention does; emulating that rounding in PyTorch at the GPU
+# tests' shapes (batch 4 x 12 heads x seq 128; seq 512, head_dim 128) uses at most 20% of these bounds.
+TOL = {
+    torch.float32: (2e-5, 2e-4),
+    torch.float16: (2e-3, 5e-3),
+    torch.bfloat16: (1e-2, 2e-2),
+}
+
+# (batch, heads, seq, head_dim, real lengths per sequence or None for no mask)
+SHAPES = [
+    (1, 1, 1, 32, None),
+    (1, 2, 7, 64, None),
+    (2, 2, 100, 32, [100, 37]),
+    (3, 1, 129, 64, [129, 65, 0]),  # the last sequence has no real token
+    (1, 1, 33, 48, [20]),  # head_dim not a power of two
+    (1, 1, 65, 128, [50]),  # head_dim 128: narrower key blocks, so the separate dQ pass
+]
+SMALL_BLOCKS = (
+    AttentionBlocks(fwd_m=16, fwd_n=16, bwd_m=16, bwd_n=32, dq_m=32, dq_n=16, stages=1) if TRITON_OK else None
+)
+
+
+def _inputs(batch, heads, seq, head_dim, lengths, dtype, scale_q=1.0):
+    q, k, v = (torch.randn(batch, heads, seq, head_dim, device=DEVICE) for _ in range(3))
+    q = q * scale_q
+    q, k, v = (t.to(dtype).requires_grad_() for t in (q, k, v))
+    mask = None
+    if lengths is not None:
+        mask = torch.arange(seq, device=DEVICE)[None, :] < torch.tensor(lengths, device=DEVICE)[:, None]
+    return q, k, v, mask
+
+
+def _compare(out, grads, ref_out, ref_grads, dtype):
+    atol, rtol = TOL[dtype]
+    assert_close("out", out, ref_out, atol, rtol)
+    for name, got, want in zip(("dq", "dk", "dv"), grads, ref_grads, strict=True):
+        assert_close(name, got, want, atol, rtol)
+
+
+def _run(fn, q, k, v, do):
+    out = fn(q, k, v)
+    return out, torch.autograd.grad(out, (q, k, v), do)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s[:4])) + ("-pad" if s[4] else ""))
+@pytest.mark.parametrize("blocks", ["auto", "small"])
+def test_matches_reference(shape, dtype, blocks):
+    batch, heads, seq, head_dim, lengths = shape
+    q, k, v, mask = _inputs(batch, heads, seq, head_dim, lengths, dtype)
+    do = torch.randn_like(q)
+    scale = head_dim**-0.5
+    if blocks == "auto":
+        out, grads = _run(lambda q, k, v: flash_attention(q, k, v, mask), q, k, v, do)
+    else:  # many blocks in every direction, and the separate dQ pass whenever seq > 32
+        out, grads = _run(
+            lambda q, k, v: _FlashAttention.apply(q, k, v, mask, 0.0, scale, SMALL_BLOCKS), q, k, v, do
+        )
+    ref_out, ref_grads = _run(lambda q, k, v: attention_reference(q, k, v, mask), q, k, v, do)
+    _compare(out, grads, ref_out, ref_grads, dtype)
+    if lengths is not None and 0 in lengths:
+        empty = lengths.index(0)
+        assert (out[empty] == 0).all(), "a sequence with no real token must give a zero output"
+        for name, g in zip(("dq", "dk", "dv"), grads, strict=True):
+            assert (g[empty] == 0).all(), f"{name} of a sequence with no real token must be zero"
+
+
+def test_peaked_softmax_and_custom_scale():
+    # Large logits make the running max jump between key blocks: the online rescaling must be exact.
+    q, k, v, mask = _inputs(2, 1, 100, 32, [100, 51], torch.float32, scale_q=8.0)
+    do = torch.randn_like(q)
+    out, grads = _run(lambda q, k, v: flash_attention(q, k, v, mask, scale=0.3), q, k, v, do)
+    ref_out, ref_grads = _run(lambda q, k, v: attention_reference(q, k, v, mask, scale=0.3), q, k, v, do)
+    _compare(out, grads, ref_out, ref_grads, torch.float32)
+
+
+@pytest.mark.parametrize("blocks", ["auto", "small"])
+def test_mask_with_holes(blocks):
+    # any pattern of real keys, not only right padding; one key block entirely masked under small tiles
+    q, k, v, _ = _inputs(2, 2, 100, 32, None, torch.float32)
+    mask = torch.rand(2, 100, device=DEVICE) < 0.6
+    mask[1, 32:48] = False
+    do = torch.randn_like(q)
+    use = SMALL_BLOCKS if blocks == "small" else None
+    out, grads = _run(lambda q, k, v: _FlashAttention.apply(q, k, v, mask, 0.0, 32**-0.5, use), q, k, v, do)
+    ref_out, ref_grads = _run(lambda q, k, v: attention_reference(q, k, v, mask), q, k, v, do)
+    _compare(out, grads, ref_out, ref_grads, torch.float32)
+
+
+def test_strided_views_of_fused_qkv():
+    # The model's fused projection gives q, k, v as strided views of one (batch, seq, 3, heads, head_dim).
+    batch, seq, heads, head_dim = 2, 37, 2, 32
+    qkv = torch.randn(batch, seq, 3, heads, head_dim, device=DEVICE, requires_grad=True)
+    mask = torch.arange(seq, device=DEVICE)[None, :] < torch.tensor([37, 20], device=DEVICE)[:, None]
+    do = torch.randn(batch, heads, seq, head_dim, device=DEVICE)
+
+    def run(fn):
+        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each (batch, heads, seq, head_dim), not contiguous
+        out = fn(q, k, v, mask)
+        return out, torch.autograd.grad(out, qkv, do)[0]
+
+    out, grad = run(flash_attention)
+    ref_out, ref_grad = run(attention_reference)
+    assert_close("out", out, ref_out, *TOL[torch.float32])
+    assert_close("dqkv", grad, ref_grad, *TOL[torch.float32])
+    # the output is laid out (batch, seq, heads, head_dim): merging the heads back is a free view
+    assert out.transpose(1, 2).is_contiguous()
+
+
+def test_torch_compile_sees_one_opaque_op():
+    # fullgraph: no graph break around the kernels (the launchers are custom ops), dropout included
+    q, k, v, mask = _inputs(2, 2, 16, 32, [16, 5], torch.float32)
+    do = torch.randn_like(q)
+    compiled = torch.compile(
+        lambda q, k, v: flash_attention(q, k, v, mask, dropout_p=0.2), backend="aot_eager", fullgraph=True
+    )
+    torch.manual_seed(1)
+    out, grads = _run(compiled, q, k, v, do)
+    torch.manual_seed(1)
+    ref_out, ref_grads = _run(lambda q, k, v: flash_attention(q, k, v, mask, dropout_p=0.2), q, k, v, do)
+    _compare(out, grads, ref_out, ref_grads, torch.float32)
+
+
+def test_rejects_bad_inputs():
+    q = torch.randn(1, 1, 8, 16, device=DEVICE)
+    with pytest.raises(ValueError, match="key_padding_mask"):
+        flash_attention(q, q, q, torch.ones(1, 8, device=DEVICE))
+    with pytest.raises(ValueError, match="shape"):
+        flash_attention(q, q[:, :, :4], q)
+    with pytest.raises(ValueError, match="dropout_p"):
+        flash_attention(q, q, q, dropout_p=1.0)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Dropout
+
+
+@pytest.mark.parametrize("blocks", ["auto", "small"])
+def test_dropout_matches_reference_with_the_same_mask(blocks):
+    p = 0.3
+    q, k, v, mask = _inputs(2, 1, 129, 32, [70, 0], torch.float32)  # a padded and an empty sequence
+    do = torch.randn_like(q)
+    torch.manual_seed(123)
+    seed = draw_dropout_seed()
+    keep = dropout_keep_mask(seed, 2, 1, 129, p, DEVICE)
+    torch.manual_seed(123)  # the kernel draws the same seed
+    use = SMALL_BLOCKS if blocks == "small" else None
+    out, grads = _run(lambda q, k, v: _FlashAttention.apply(q, k, v, mask, p, 32**-0.5, use), q, k, v, do)
+    ref_out, ref_grads = _run(
+        lambda q, k, v: attention_reference(q, k, v, mask, p, keep_mask=keep), q, k, v, do
+    )
+    _compare(out, grads, ref_out, ref_grads, torch.float32)
+
+
+def test_dropout_is_reproducible_from_torch_seed():
+    q, k, v, mask = _inputs(1, 2, 40, 32, [33], torch.float16)
+    outs = []
+    for seed in (7, 7, 8):
+        torch.manual_seed(seed)
+        outs.append(flash_attention(q, k, v, mask, dropout_p=0.2))
+    assert torch.equal(outs[0], outs[1]), "same torch seed, different dropout"
+    assert not torch.equal(outs[0], outs[2]), "different torch seeds gave the same dropout"
+
+
+def test_dropout_keeps_the_expected_fraction_and_mean():
+    p, batch, heads, seq = 0.25, 2, 2, 128
+    keep = dropout_keep_mask(draw_dropout_seed(), batch, heads, seq, p, DEVICE)
+    # 65,536 Bernoulli(0.75) draws: the standard error of the mean is 0.0017
+    assert abs(keep.float().mean().item() - (1 - p)) < 0.01
+    # rows and columns are not correlated copies of each other (a broken counter would repeat them)
+    assert not torch.equal(keep[0, 0, 0], keep[0, 0, 1]) and not torch.equal(keep[0, 0], keep[0, 1])
+    # E[dropout(P) V] = P V: with V = 1 every output is a mean-one random variable
+    q, k, _, _ = _inputs(batch, heads, seq, 32, None, torch.float32)
+    out = flash_attention(q, k, torch.ones_like(q), dropout_p=p)
+    assert abs(out.mean().item() - 1.0) < 0.03, f"mean of the dropped output {out.mean().item():.4f}, want 1"
+
+
+# ---------------------------------------------------------------------------------------------------
+# GPU only
+
+
+@needs_gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize(
+    "shape", [(4, 12, 128, 64, None), (2, 4, 512, 64, [512, 300]), (2, 4, 512, 128, [511, 1])]
+)
+def test_gpu_half_precision(shape, dtype):
+    q, k, v, mask = _inputs(*shape, dtype)
+    do = torch.randn_like(q)
+    out, grads = _run(lambda q, k, v: flash_attention(q, k, v, mask), q, k, v, do)
+    ref_out, ref_grads = _run(lambda q, k, v: attention_reference(q, k, v, mask), q, k, v, do)
+    _compare(out, grads, ref_out, ref_grads, dtype)
+
+
+@needs_gpu
+@pytest.mark.gpu
+def test_gpu_faster_than_eager_at_seq_512_head_dim_128():
+    q, k, v, mask = _inputs(8, 8, 512, 128, [512] * 4 + [300] * 4, torch.bfloat16)
+    do = torch.randn_like(q)
+
+    def eager(q, k, v):  # as a model writes it: bf16 matmuls, fp32 softmax
+        scores = (q @ k.transpose(-1, -2)) * 128**-0.5
+        scores = scores.masked_fill(~mask[:, None, None, :], torch.finfo(scores.dtype).min)
+        return torch.softmax(scores.float(), dim=-1).to(q.dtype) @ v
+
+    def timed(fn):
+        for _ in range(3):
+            _run(fn, q, k, v, do)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(10):
+            _run(fn, q, k, v, do)
+        torch.cuda.synchronize()
+        return (time.perf_counter() - start) / 10
+
+    flash = timed(lambda q, k, v: flash_attention(q, k, v, mask))
+    reference = timed(eager)
+    assert flash < reference, f"flash forward+backward {flash * 1e3:.2f} ms, eager {reference * 1e3:.2f} ms"
