@@ -1,14 +1,44 @@
-"""Optimizers selected by name (Hugging Face `optim` names), built from an OptimConfig."""
+"""Optimizers selected by name (Hugging Face `optim` names), built from an OptimConfig.
+
+    adamw                 torch.optim.AdamW
+    adamw_8bit            AdamW, block-wise 8-bit moments (fused Triton update on CUDA)
+    galore_adamw          AdamW, GaLore-projected moments for the targeted 2-D weights
+    galore_adamw_8bit     both: the low-rank moments in 8 bits
+    galore_adafactor      Adafactor, GaLore-projected
+    <name>_layerwise      the same, each parameter updated in its gradient hook (see cramming.optim.base
+                          for what the training loop must then do; `optimizer.layerwise` is True)
+
+The loop logs `format_state_report(optimizer_state_report(optimizer))` at start-up.
+"""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
 from torch import nn
 
-from cramming.errors import check_choice
+from cramming.errors import ConfigError, check_choice
+from cramming.optim.adafactor import Adafactor
+from cramming.optim.adamw import KERNELS, AdamW
+from cramming.optim.base import LeanOptimizer, check_layerwise_loop
 from cramming.optim.config import OptimConfig
+from cramming.optim.galore import galore_parameters
+from cramming.optim.report import format_state_report, optimizer_state_report
+
+__all__ = [
+    "OPTIMIZERS",
+    "Adafactor",
+    "AdamW",
+    "LeanOptimizer",
+    "OptimConfig",
+    "build_optimizer",
+    "check_layerwise_loop",
+    "format_state_report",
+    "optimizer_state_report",
+    "param_groups",
+]
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -24,15 +54,117 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     ]
 
 
-def _adamw(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
+def lean_param_groups(model: nn.Module, cfg: OptimConfig, *, galore: bool, bits: int) -> list[dict]:
+    """param_groups, with the GaLore-projected weights in a group of their own (rank > 0) and, with
+    `embedding_32bit`, the embeddings in a 32-bit group. Empty groups are left out."""
+    projected = galore_parameters(model, cfg.target_modules) if galore else []
+    if galore and not projected:
+        names = [name for name, mod in model.named_modules() if isinstance(mod, nn.Linear)][:8]
+        raise ConfigError(
+            f"`train.optim.target_modules` {cfg.target_modules} matched no 2-D weight; this model's Linear "
+            f"modules are named like {names}"
+        )
+    projected_ids = {id(p) for p in projected}
+    embedding_ids = set()
+    if bits == 8 and cfg.embedding_32bit:
+        embedding_ids = {id(mod.weight) for mod in model.modules() if isinstance(mod, nn.Embedding)}
+    groups = []
+    if projected:
+        groups.append(
+            {
+                "params": projected,
+                "weight_decay": cfg.weight_decay,
+                "rank": cfg.rank,
+                "update_proj_gap": cfg.update_proj_gap,
+                "scale": cfg.scale,
+                "proj_type": cfg.proj_type,
+            }
+        )
+    for group in param_groups(model, cfg.weight_decay):
+        rest = [p for p in group["params"] if id(p) not in projected_ids]
+        plain = [p for p in rest if id(p) not in embedding_ids]
+        embeddings = [p for p in rest if id(p) in embedding_ids]
+        if plain:
+            groups.append({"params": plain, "weight_decay": group["weight_decay"]})
+        if embeddings:
+            groups.append({"params": embeddings, "weight_decay": group["weight_decay"], "optim_bits": 32})
+    return groups
 
 
-OPTIMIZERS: dict[str, Callable[[nn.Module, OptimConfig], torch.optim.Optimizer]] = {
-    "adamw": _adamw,
-}
+def _adamw(
+    model: nn.Module, cfg: OptimConfig, *, kernel: str, max_grad_norm: float | None
+) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(
+        param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps
+    )
 
 
-def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
+def _lean_adamw(
+    model: nn.Module,
+    cfg: OptimConfig,
+    *,
+    kernel: str,
+    max_grad_norm: float | None,
+    bits: int,
+    galore: bool,
+    layerwise: bool,
+) -> AdamW:
+    return AdamW(
+        lean_param_groups(model, cfg, galore=galore, bits=bits),
+        lr=cfg.lr,
+        betas=tuple(cfg.betas),
+        eps=cfg.eps,
+        weight_decay=cfg.weight_decay,
+        optim_bits=bits,
+        min_8bit_size=cfg.min_8bit_size,
+        kernel=kernel,
+        layerwise=layerwise,
+        max_grad_norm=max_grad_norm if layerwise else None,
+    )
+
+
+def _galore_adafactor(
+    model: nn.Module, cfg: OptimConfig, *, kernel: str, max_grad_norm: float | None, layerwise: bool
+) -> Adafactor:
+    return Adafactor(
+        lean_param_groups(model, cfg, galore=True, bits=32),
+        lr=cfg.lr,
+        weight_decay=cfg.weight_decay,
+        layerwise=layerwise,
+        max_grad_norm=max_grad_norm if layerwise else None,
+    )
+
+
+def _registry() -> dict[str, Callable[..., torch.optim.Optimizer]]:
+    adamw_kinds = {
+        "adamw": {"bits": 32, "galore": False},  # only the layerwise form: plain `adamw` is torch's
+        "adamw_8bit": {"bits": 8, "galore": False},
+        "galore_adamw": {"bits": 32, "galore": True},
+        "galore_adamw_8bit": {"bits": 8, "galore": True},
+    }
+    registry: dict[str, Callable[..., torch.optim.Optimizer]] = {"adamw": _adamw}
+    for name, kind in adamw_kinds.items():
+        if name != "adamw":
+            registry[name] = functools.partial(_lean_adamw, layerwise=False, **kind)
+        registry[f"{name}_layerwise"] = functools.partial(_lean_adamw, layerwise=True, **kind)
+    registry["galore_adafactor"] = functools.partial(_galore_adafactor, layerwise=False)
+    registry["galore_adafactor_layerwise"] = functools.partial(_galore_adafactor, layerwise=True)
+    return registry
+
+
+OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = _registry()
+
+
+def build_optimizer(
+    model: nn.Module, cfg: OptimConfig, *, kernel: str = "auto", max_grad_norm: float | None = None
+) -> torch.optim.Optimizer:
+    """The optimizer `cfg.name` over `model`'s trainable parameters.
+
+    kernel: how 8-bit updates run ("auto": fused Triton on CUDA, PyTorch elsewhere; "torch"; "triton") —
+        a speed setting, the loop may derive it from `impl`.
+    max_grad_norm: the loop's clipping threshold. Layerwise optimizers clip each parameter's gradient to it
+        in their hooks (the loop must not clip); the others ignore it (the loop clips as usual).
+    """
     check_choice("train.optim.name", cfg.name, OPTIMIZERS)
-    return OPTIMIZERS[cfg.name](model, cfg)
+    check_choice("kernel", kernel, KERNELS)
+    return OPTIMIZERS[cfg.name](model, cfg, kernel=kernel, max_grad_norm=max_grad_norm)

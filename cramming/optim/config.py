@@ -1,10 +1,19 @@
-"""Typed configuration of the optimizer (`train/optim` group)."""
+"""Typed configuration of the optimizer (`train/optim` group).
+
+Names and settings follow Hugging Face's `optim`, `optim_args` and `optim_target_modules`: `name` is one of
+cramming.optim.OPTIMIZERS (adamw, adamw_8bit, galore_adamw, galore_adamw_8bit, galore_adafactor, each also
+with `_layerwise`); the GaLore and 8-bit settings below are read only by the names that use them.
+"""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
-from cramming.errors import config_error
+from cramming.errors import check_choice, config_error
+
+PROJ_TYPES = ("std", "reverse_std", "left", "right", "full")
+ALL_LINEAR = "all-linear"
 
 
 @dataclass
@@ -12,10 +21,30 @@ class OptimConfig:
     # one of the names in cramming.optim.OPTIMIZERS (Hugging Face `optim` names)
     name: str = "adamw"
     lr: float = 1e-3
+    # AdamW's (beta1, beta2); Adafactor uses neither (no first moment, beta2 follows 1 - t^-0.8)
     betas: list[float] = field(default_factory=lambda: [0.9, 0.98])
     eps: float = 1e-12
     # decoupled weight decay; never applied to norms, biases or the embeddings' norm
     weight_decay: float = 0.01
+
+    # --- GaLore (galore_*), Hugging Face's `optim_args` -----------------------------------------------
+    # rank of the projection; the optimizer state of a projected m×n weight is rank×max(m, n)
+    rank: int = 128
+    # steps between SVDs of the gradient (the projector is also computed at the first step)
+    update_proj_gap: int = 200
+    # multiplies the projected-back update (the paper: 0.25 pretraining, 2-4 GLUE fine-tuning)
+    scale: float = 0.25
+    # std: project the smaller side; reverse_std: the larger; left / right: that side; full: both
+    proj_type: str = "std"
+    # `optim_target_modules`: regexes searched in module names (e.g. ["attn", "ffn"]), or ["all-linear"]
+    # for every nn.Linear except the output layer / tied embedding; only 2-D weights are projected
+    target_modules: list[str] = field(default_factory=lambda: [ALL_LINEAR])
+
+    # --- 8-bit state (*_8bit) ----------------------------------------------------------------------
+    # tensors with fewer elements keep 32-bit moments (bitsandbytes' rule)
+    min_8bit_size: int = 4096
+    # keep the embeddings' moments in 32 bits (bitsandbytes' advice for stability; costs 6 B/param there)
+    embedding_32bit: bool = False
 
     def __post_init__(self) -> None:
         if self.lr <= 0:
@@ -26,3 +55,31 @@ class OptimConfig:
             raise config_error("train.optim.eps", self.eps, "use a small positive number")
         if self.weight_decay < 0:
             raise config_error("train.optim.weight_decay", self.weight_decay, "use 0 or a positive value")
+        if self.rank < 1:
+            raise config_error(
+                "train.optim.rank", self.rank, "use a positive rank, e.g. 128 (pretraining) or 8"
+            )
+        if self.update_proj_gap < 1:
+            raise config_error(
+                "train.optim.update_proj_gap", self.update_proj_gap, "use a positive step count"
+            )
+        if self.scale <= 0:
+            raise config_error("train.optim.scale", self.scale, "use a positive scale, e.g. 0.25")
+        check_choice("train.optim.proj_type", self.proj_type, PROJ_TYPES)
+        self._check_targets()
+        if self.min_8bit_size < 0:
+            raise config_error(
+                "train.optim.min_8bit_size", self.min_8bit_size, "use 0 or a positive element count"
+            )
+
+    def _check_targets(self) -> None:
+        key = "train.optim.target_modules"
+        if not self.target_modules:
+            raise config_error(key, self.target_modules, 'name the modules to project, or use ["all-linear"]')
+        if ALL_LINEAR in self.target_modules and len(self.target_modules) > 1:
+            raise config_error(key, self.target_modules, '"all-linear" stands alone: drop the other entries')
+        for target in self.target_modules:
+            try:
+                re.compile(target)
+            except re.error as err:
+                raise config_error(key, target, f"not a valid regular expression ({err})") from err

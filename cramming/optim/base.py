@@ -1,0 +1,223 @@
+"""Shared machinery of our optimizers: per-parameter steps, GaLore projection per group, layerwise mode.
+
+A subclass says only how its moments look (`_moment_specs`) and how a gradient becomes a normalized update
+(`_direction`); this class allocates the state, projects the 2-D weights of GaLore groups, applies the
+decoupled weight decay and the learning rate, and runs either as a normal optimizer or layerwise.
+
+Param-group keys, besides lr and weight_decay:
+    rank             0: plain update; > 0: GaLore projection of this group's (2-D) parameters
+    update_proj_gap, scale, proj_type   GaLore settings (see cramming.optim.galore)
+    optim_bits       8 or 32: state precision (AdamW only; tensors of fewer than min_8bit_size stay 32-bit)
+
+Layerwise mode — the contract with the training loop
+----------------------------------------------------
+With `layerwise=True` each parameter is updated inside its post-accumulate-grad hook, as soon as its
+gradient is complete, and its gradient is freed at once, so full gradients are never all held together.
+`optimizer.layerwise` is True; the loop must:
+  * keep gradient accumulation at 1: a second backward before `optimizer.step()` raises ConfigError from
+    inside `loss.backward()` (the hooks would otherwise update once per micro-batch), and call
+    `check_layerwise_loop` at start-up to fail before the first step. No DDP (refused at construction:
+    the update would run before the all-reduce), no fp16 GradScaler (the hooks see scaled gradients).
+  * not clip the model's gradients itself: they are gone by then, and `clip_grad_norm_` would silently
+    return 0. Pass the clipping threshold as `max_grad_norm` instead: each parameter's gradient is clipped
+    to that norm (per-parameter clipping, not the global-norm clipping of the normal path).
+    `optimizer.grad_norm` holds the global norm of the last step's gradients (before clipping) for logging.
+  * call `optimizer.step()` once per backward, as usual: it updates nothing, it closes the step (resets
+    the per-step checks and computes `grad_norm`). `zero_grad` is harmless.
+  * step its LR scheduler once per `optimizer.step()`, as usual: the hooks read each group's lr when they
+    run, so the lr set after step k is the one used by the hooks of step k + 1 — the same count and
+    timing as the normal path.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterable
+
+import torch
+
+from cramming.errors import ConfigError
+from cramming.optim import galore
+
+StateSpec = dict[str, tuple[tuple[int, ...], torch.dtype]]
+
+
+class LeanOptimizer(torch.optim.Optimizer):
+    """Base of AdamW (32/8-bit) and Adafactor: see the module docstring for group keys and layerwise mode."""
+
+    def __init__(
+        self,
+        params: Iterable,
+        defaults: dict,
+        *,
+        layerwise: bool = False,
+        max_grad_norm: float | None = None,
+    ) -> None:
+        if max_grad_norm is not None and not layerwise:
+            raise ValueError(
+                "max_grad_norm is for layerwise mode; otherwise clip with clip_grad_norm_ as usual"
+            )
+        self.layerwise = layerwise
+        self.max_grad_norm = max_grad_norm
+        self.grad_norm: torch.Tensor | None = None  # layerwise: global norm of the last step's gradients
+        self._hooks: list = []
+        self._stepped: set[int] = set()
+        self._sq_norm: torch.Tensor | None = None
+        if layerwise:
+            self._refuse_distributed()
+        defaults = {"rank": 0, "update_proj_gap": 200, "scale": 1.0, "proj_type": "std", **defaults}
+        super().__init__(params, defaults)  # calls add_param_group, which hooks layerwise parameters
+
+    def add_param_group(self, param_group: dict) -> None:
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        if group["rank"] > 0 and any(p.ndim != 2 for p in group["params"]):
+            raise ValueError("GaLore groups (rank > 0) may hold 2-D parameters only")
+        if self.layerwise:
+            group_index = len(self.param_groups) - 1
+            self._hooks += [
+                p.register_post_accumulate_grad_hook(functools.partial(self._layerwise_hook, group_index))
+                for p in group["params"]
+            ]
+
+    # --- what a subclass provides -------------------------------------------------------------------
+
+    def _moment_specs(self, shape: tuple[int, ...], group: dict) -> StateSpec:
+        """The state tensors (besides projectors) for moments of `shape`: name -> (shape, dtype)."""
+        raise NotImplementedError
+
+    def _direction(self, grad: torch.Tensor, state: dict, group: dict, step: int) -> torch.Tensor:
+        """Update the moments with the fp32 `grad` and return the normalized update (p -= lr · direction)."""
+        raise NotImplementedError
+
+    def _update_full(
+        self, param: torch.Tensor, grad: torch.Tensor, state: dict, group: dict, step: int
+    ) -> None:
+        """The plain (unprojected) update of `param`; a subclass may fuse it."""
+        direction = self._direction(grad.float(), state, group, step)
+        work = param if param.dtype == torch.float32 else param.float()
+        work.mul_(1.0 - group["lr"] * group["weight_decay"]).add_(direction, alpha=-group["lr"])
+        if work is not param:
+            param.copy_(work)
+
+    # --- the step -------------------------------------------------------------------------------------
+
+    def state_spec(self, param: torch.Tensor, group: dict) -> StateSpec:
+        """Every state tensor this parameter will have, predicted without a step (for the memory report)."""
+        if group["rank"] > 0:
+            shape2d = tuple(param.shape)
+            spec = self._moment_specs(
+                galore.low_rank_shape(shape2d, group["rank"], group["proj_type"]), group
+            )
+            for key, shape in galore.projector_shapes(shape2d, group["rank"], group["proj_type"]).items():
+                spec[key] = (shape, torch.float32)
+            return spec
+        return self._moment_specs(tuple(param.shape), group)
+
+    def _step_param(self, param: torch.Tensor, grad: torch.Tensor, group: dict) -> None:
+        state = self.state[param]
+        if not state:
+            state["step"] = 0
+            for key, (shape, dtype) in self.state_spec(param, group).items():
+                if not key.startswith("galore_"):  # projectors come from the first SVD
+                    state[key] = torch.zeros(shape, dtype=dtype, device=param.device)
+        state["step"] += 1
+        step = state["step"]
+        if group["rank"] == 0:
+            self._update_full(param, grad, state, group, step)
+            return
+        low = galore.project(grad, state, step, group["rank"], group["proj_type"], group["update_proj_gap"])
+        direction = self._direction(low, state, group, step)
+        update = galore.project_back(direction, state, group["proj_type"], tuple(param.shape))  # (m, n) fp32
+        param.mul_(1.0 - group["lr"] * group["weight_decay"])
+        param.add_(update.to(param.dtype), alpha=-group["lr"] * group["scale"])
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if self.layerwise:
+            self._close_layerwise_step()
+            return loss
+        for group in self.param_groups:
+            for param in group["params"]:
+                if param.grad is not None:
+                    self._step_param(param, param.grad, group)
+        return loss
+
+    # --- layerwise --------------------------------------------------------------------------------------
+
+    @staticmethod
+    def _refuse_distributed() -> None:
+        dist = torch.distributed
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            raise ConfigError(
+                "layerwise optimizers update inside gradient hooks, before DDP's all-reduce: use the "
+                "non-layerwise optimizer name (without `_layerwise`) for multi-process training"
+            )
+
+    @torch.no_grad()
+    def _layerwise_hook(self, group_index: int, param: torch.Tensor) -> None:
+        if id(param) in self._stepped:
+            raise ConfigError(
+                "a layerwise optimizer got a second backward before optimizer.step(): gradient accumulation "
+                "is not supported with `*_layerwise` optimizers (each micro-batch would be a step). Use "
+                "accumulation 1 or the optimizer name without `_layerwise`"
+            )
+        grad = param.grad
+        norm = torch.linalg.vector_norm(grad.float())
+        self._sq_norm = norm.square() if self._sq_norm is None else self._sq_norm + norm.square()
+        if self.max_grad_norm is not None:
+            # torch.nn.utils.clip_grad_norm_'s rule, applied to this parameter alone
+            grad.mul_((self.max_grad_norm / (norm + 1e-6)).clamp(max=1.0).to(grad.dtype))
+        self._step_param(param, grad, self.param_groups[group_index])
+        param.grad = None
+        self._stepped.add(id(param))
+
+    def remove_hooks(self) -> None:
+        """Detach a layerwise optimizer from its parameters (before building another one on them)."""
+        for handle in getattr(self, "_hooks", []):
+            handle.remove()
+        self._hooks = []
+
+    def _close_layerwise_step(self) -> None:
+        self.grad_norm = None if self._sq_norm is None else self._sq_norm.sqrt()
+        self._sq_norm = None
+        self._stepped.clear()
+
+    # --- state dict -------------------------------------------------------------------------------------
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """As torch's, but keeps each state tensor's dtype (torch would cast uint8 codes and fp32
+        projectors to the parameter's dtype); only the device follows the parameter."""
+        saved = state_dict["state"]
+        super().load_state_dict(state_dict)
+        params = [p for group in self.param_groups for p in group["params"]]  # torch's numbering
+        for index, param in enumerate(params):
+            if index in saved:
+                self.state[param] = {
+                    key: value.to(param.device, copy=True) if torch.is_tensor(value) else value
+                    for key, value in saved[index].items()
+                }
+
+
+def check_layerwise_loop(
+    optimizer: torch.optim.Optimizer, *, grad_accumulation: int, distributed: bool, grad_scaler: bool
+) -> None:
+    """Start-up check the loop calls once: raises ConfigError when a layerwise optimizer cannot do its job."""
+    if not getattr(optimizer, "layerwise", False):
+        return
+    if grad_accumulation != 1:
+        raise ConfigError(
+            f"`*_layerwise` optimizers need gradient accumulation 1 (got {grad_accumulation}): each backward "
+            "is a step. Use a micro-batch equal to the batch, or the name without `_layerwise`"
+        )
+    if distributed:
+        raise ConfigError("`*_layerwise` optimizers cannot run under DDP: use the name without `_layerwise`")
+    if grad_scaler:
+        raise ConfigError(
+            "`*_layerwise` optimizers see the gradients before a GradScaler could unscale them: use bf16 or "
+            "fp32 (impl.precision), not fp16, or the name without `_layerwise`"
+        )
