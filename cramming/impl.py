@@ -9,10 +9,13 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+import torch
+
 from cramming.errors import check_choice, config_error
 
 DEVICES = ("auto", "cpu", "cuda")
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 ATTENTIONS = ("sdpa", "eager", "triton")
 LAYERNORMS = ("torch", "triton")
 
@@ -32,6 +35,9 @@ class ImplConfig:
     microbatch_size: int = 128
     # DataLoader worker processes during training
     num_workers: int = 2
+    # PyTorch intra-op threads when training on CPU (None: PyTorch's default, one per core); on a CPU shared
+    # with other jobs, 1 can be several times faster than contending for every core
+    cpu_threads: int | None = None
     # processes for preprocessing maps (None: all cores)
     num_proc: int | None = None
 
@@ -41,12 +47,34 @@ class ImplConfig:
         check_choice("impl.attention", self.attention, ATTENTIONS)
         check_choice("impl.layernorm", self.layernorm, LAYERNORMS)
         if self.microbatch_size < 1:
-            raise config_error("impl.microbatch_size", self.microbatch_size, "use a positive number of sequences")
+            raise config_error(
+                "impl.microbatch_size", self.microbatch_size, "use a positive number of sequences"
+            )
         if self.num_workers < 0:
-            raise config_error("impl.num_workers", self.num_workers, "use 0 (load in the main process) or more")
+            raise config_error(
+                "impl.num_workers", self.num_workers, "use 0 (load in the main process) or more"
+            )
+        if self.cpu_threads is not None and self.cpu_threads < 1:
+            raise config_error(
+                "impl.cpu_threads", self.cpu_threads, "use a positive count or null for the default"
+            )
         if self.num_proc is not None and self.num_proc < 1:
             raise config_error("impl.num_proc", self.num_proc, "use a positive count or null for all cores")
 
     @property
     def preprocessing_procs(self) -> int:
         return self.num_proc or os.cpu_count() or 1
+
+    def torch_device(self) -> torch.device:
+        """The device to run on: `auto` is the first GPU when there is one, else the CPU."""
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    def compute_dtype(self, device: torch.device) -> torch.dtype:
+        """The autocast dtype: `auto` is bf16 on GPUs that support it, else fp16 (with a loss scaler); fp32 on CPU."""
+        if self.precision != "auto":
+            return DTYPES[self.precision]
+        if device.type != "cuda":
+            return torch.float32
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16

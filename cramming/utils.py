@@ -38,3 +38,32 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def atomic_torch_save(obj: object, path: str | os.PathLike) -> None:
+    """torch.save through a temporary file in the same folder and a rename: a crash mid-write leaves the
+    previous file intact. Streams to disk, so a large optimizer state is never held twice in memory."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def newest_run_dir(base_dir: str | os.PathLike, name: str, containing: str) -> Path | None:
+    """The newest run folder `{base_dir}/{name}/<timestamp>/` that holds `containing` (a relative path), or None.
+
+    Run folders are named by start time (%Y-%m-%d_%H-%M-%S), so the newest sorts last.
+    """
+    root = Path(base_dir) / name
+    if not root.is_dir():
+        return None
+    runs = sorted(p for p in root.iterdir() if p.is_dir() and (p / containing).exists())
+    return runs[-1] if runs else None

@@ -4,10 +4,106 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from cramming.errors import check_choice, config_error
 from cramming.optim.config import OptimConfig
+from cramming.train.schedules import LR_SCHEDULES
+
+MASKING_MODES = ("count", "probability")
+
+
+@dataclass
+class MLMConfig:
+    """Which tokens the masked-language-model objective hides, and how."""
+
+    # count: exactly round(mask_fraction * seq_length) tokens per row (static shapes, cramming);
+    # probability: each token independently with probability mask_fraction (original BERT, 15%)
+    mode: str = "count"
+    mask_fraction: float = 0.25
+    # of the chosen tokens: this share becomes [MASK], `random_fraction` a random token, the rest stay as is
+    mask_token_fraction: float = 0.8
+    random_fraction: float = 0.1
+
+    def __post_init__(self) -> None:
+        check_choice("train.mlm.mode", self.mode, MASKING_MODES)
+        if not 0.0 < self.mask_fraction < 1.0:
+            raise config_error(
+                "train.mlm.mask_fraction", self.mask_fraction, "use a fraction in (0, 1), e.g. 0.25"
+            )
+        if self.mask_token_fraction < 0 or self.random_fraction < 0:
+            raise config_error(
+                "train.mlm.mask_token_fraction/random_fraction",
+                (self.mask_token_fraction, self.random_fraction),
+                "use non-negative fractions",
+            )
+        if self.mask_token_fraction + self.random_fraction > 1.0:
+            raise config_error(
+                "train.mlm.mask_token_fraction + random_fraction",
+                self.mask_token_fraction + self.random_fraction,
+                "the two shares must sum to at most 1 (0.8 + 0.1 keeps 10% unchanged)",
+            )
 
 
 @dataclass
 class TrainConfig:
     name: str = "bert-o4"
     optim: OptimConfig = field(default_factory=OptimConfig)
+    mlm: MLMConfig = field(default_factory=MLMConfig)
+    # sequences per optimizer update, reached by accumulating micro-batches of impl.microbatch_size
+    batch_size: int = 8192
+    # fraction of the budget at which batch_size is reached, rising linearly from one micro-batch; 0: from the start
+    batch_size_ramp: float = 0.6
+    # a name in cramming.train.schedules.LR_SCHEDULES: budget-triangle2 | budget-cosine | budget-constant | steps-linear
+    lr_schedule: str = "budget-triangle2"
+    # fraction of the schedule's clock spent warming up; null: the schedule's own default
+    warmup: float | None = None
+    # optimizer updates to run; stops training when reached, and is the clock of the steps-* schedules
+    steps: int | None = None
+    # maximum gradient norm; null: no clipping
+    grad_clip: float | None = 0.5
+    # dropout during pretraining (cramming: off); fine-tuning uses arch.dropout
+    dropout: float = 0.0
+    # log line and metrics record every this many optimizer updates (and after the first)
+    log_every: int = 50
+    # save a resumable state every this many minutes of training (and on SIGINT/SIGTERM and at the end)
+    checkpoint_every_min: float = 60.0
+    # stop after this many consecutive updates skipped for a non-finite loss
+    max_nonfinite_updates: int = 10
+    # micro-batches of the validation split evaluated at the end of training (0: none)
+    eval_microbatches: int = 16
+
+    def __post_init__(self) -> None:
+        check_choice("train.lr_schedule", self.lr_schedule, LR_SCHEDULES)
+        if self.batch_size < 1:
+            raise config_error(
+                "train.batch_size", self.batch_size, "use a positive number of sequences per update"
+            )
+        if not 0.0 <= self.batch_size_ramp <= 1.0:
+            raise config_error(
+                "train.batch_size_ramp", self.batch_size_ramp, "use a fraction of the budget in [0, 1]"
+            )
+        if self.warmup is not None and not 0.0 <= self.warmup < 1.0:
+            raise config_error(
+                "train.warmup", self.warmup, "use a fraction in [0, 1) or null for the default"
+            )
+        if self.steps is not None and self.steps < 1:
+            raise config_error("train.steps", self.steps, "use a positive number of updates or null")
+        if self.lr_schedule.startswith("steps-") and self.steps is None:
+            raise config_error("train.steps", None, f"train.lr_schedule={self.lr_schedule} needs train.steps")
+        if self.grad_clip is not None and self.grad_clip <= 0:
+            raise config_error(
+                "train.grad_clip", self.grad_clip, "use a positive norm or null to disable clipping"
+            )
+        if not 0.0 <= self.dropout < 1.0:
+            raise config_error("train.dropout", self.dropout, "use a probability in [0, 1)")
+        if self.log_every < 1:
+            raise config_error("train.log_every", self.log_every, "use a positive number of updates")
+        if self.checkpoint_every_min <= 0:
+            raise config_error(
+                "train.checkpoint_every_min", self.checkpoint_every_min, "use a positive number"
+            )
+        if self.max_nonfinite_updates < 1:
+            raise config_error(
+                "train.max_nonfinite_updates", self.max_nonfinite_updates, "use a positive count"
+            )
+        if self.eval_microbatches < 0:
+            raise config_error("train.eval_microbatches", self.eval_microbatches, "use 0 or more")

@@ -1,0 +1,110 @@
+"""Attention and LayerNorm backends, chosen by name (`impl.attention`, `impl.layernorm`).
+
+Every backend computes the same function; they differ only in speed and rounding. The `triton` entries
+import their kernels from `cramming.kernels` on first call, so this module imports without Triton.
+`resolve_backends` decides once, at model construction, whether a Triton kernel can launch here.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import math
+import os
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger("cramming")
+
+# attention(q, k, v, key_padding_mask, dropout_p) -> out; q, k, v, out: (batch, heads, seq, head_dim);
+# key_padding_mask: (batch, seq) bool, True = a real token, or None when nothing is padded.
+AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None", float], torch.Tensor]
+# layer_norm(x, weight, bias, eps) -> normalized x over its last dimension
+LayerNormFn = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None", float], torch.Tensor]
+
+
+class KernelUnavailableError(RuntimeError):
+    """A Triton kernel was requested with impl.strict_kernels=true but cannot launch here."""
+
+
+def eager_attention(q, k, v, key_padding_mask=None, dropout_p: float = 0.0):
+    """The reference: softmax(q k^T / sqrt(d)) v, written out."""
+    scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))  # (batch, heads, seq, seq)
+    if key_padding_mask is not None:
+        # a large negative number rather than -inf keeps a fully padded row finite
+        scores = scores.masked_fill(~key_padding_mask[:, None, None, :], torch.finfo(scores.dtype).min)
+    probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+    probs = F.dropout(probs, p=dropout_p, training=dropout_p > 0)
+    return probs @ v
+
+
+def sdpa_attention(q, k, v, key_padding_mask=None, dropout_p: float = 0.0):
+    """PyTorch's fused scaled_dot_product_attention (flash / memory-efficient kernels where they apply)."""
+    mask = None if key_padding_mask is None else key_padding_mask[:, None, None, :]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
+
+
+def triton_attention(q, k, v, key_padding_mask=None, dropout_p: float = 0.0):
+    from cramming.kernels.attention import flash_attention
+
+    return flash_attention(q, k, v, key_padding_mask=key_padding_mask, dropout_p=dropout_p)
+
+
+def torch_layer_norm(x, weight, bias=None, eps: float = 1e-12):
+    return F.layer_norm(x, x.shape[-1:], weight, bias, eps)
+
+
+def triton_layer_norm(x, weight, bias=None, eps: float = 1e-12):
+    from cramming.kernels.layernorm import layer_norm
+
+    return layer_norm(x, weight, bias, eps)
+
+
+ATTENTION: dict[str, AttentionFn] = {
+    "eager": eager_attention,
+    "sdpa": sdpa_attention,
+    "triton": triton_attention,
+}
+LAYERNORM: dict[str, LayerNormFn] = {"torch": torch_layer_norm, "triton": triton_layer_norm}
+
+# where each Triton backend lives, and the PyTorch backend that replaces it when it cannot launch
+_TRITON_MODULES = {"attention": "cramming.kernels.attention", "layernorm": "cramming.kernels.layernorm"}
+_FALLBACKS = {"attention": "sdpa", "layernorm": "torch"}
+
+
+def triton_unavailable(module: str, device: torch.device) -> str | None:
+    """Why a Triton kernel from `module` cannot launch on `device`, or None when it can.
+
+    Triton launches on CUDA tensors, or anywhere under its interpreter (TRITON_INTERPRET=1, slow but exact).
+    """
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        return f"no CUDA device (running on {device.type}) and TRITON_INTERPRET is not 1"
+    try:
+        importlib.import_module(module)
+    except Exception as err:  # ImportError, or Triton failing to initialize
+        return f"cannot import {module}: {err}"
+    return None
+
+
+def resolve_backends(attention: str, layernorm: str, device: torch.device, strict: bool) -> tuple[str, str]:
+    """The (attention, layernorm) backends to use: the requested ones, or PyTorch for a Triton kernel that
+    cannot launch here (one warning), or KernelUnavailableError when `strict`."""
+    chosen = {"attention": attention, "layernorm": layernorm}
+    problems = []
+    for kind, name in chosen.items():
+        if name != "triton":
+            continue
+        reason = triton_unavailable(_TRITON_MODULES[kind], device)
+        if reason is not None:
+            problems.append(f"impl.{kind}=triton ({reason})")
+            chosen[kind] = _FALLBACKS[kind]
+    if problems:
+        message = "Triton kernels cannot launch: " + "; ".join(problems)
+        if strict:
+            raise KernelUnavailableError(message + ". Set impl.strict_kernels=false to fall back to PyTorch.")
+        log.warning(
+            "%s. Falling back to PyTorch: %s.", message, ", ".join(f"{k}={v}" for k, v in chosen.items())
+        )
+    return chosen["attention"], chosen["layernorm"]

@@ -1,0 +1,68 @@
+"""Learning-rate schedules and the batch-size ramp, as functions of training progress in [0, 1].
+
+The `budget-*` schedules read progress as the fraction of the wall-clock budget elapsed (cramming): the run
+ends on time whatever its speed, so the schedule must follow the clock, not a step count nobody knows in
+advance. `steps-*` schedules read it as updates done / train.steps, for comparison with step-based recipes.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+
+def triangle2(progress: float, warmup: float) -> float:
+    """Linear rise from 25% of peak to peak at `warmup`, then linear fall to 0 at the end (cramming)."""
+    if progress < warmup:
+        return 0.25 + 0.75 * progress / warmup
+    return max(0.0, (1.0 - progress) / (1.0 - warmup))
+
+
+def cosine(progress: float, warmup: float) -> float:
+    """Linear warm-up from 0 to peak, then half a cosine down to 0 at the end."""
+    if progress < warmup:
+        return progress / warmup
+    decay = min(1.0, (progress - warmup) / (1.0 - warmup))
+    return 0.5 * (1.0 + math.cos(math.pi * decay))
+
+
+def constant(progress: float, warmup: float) -> float:
+    """Peak throughout, after an optional linear warm-up."""
+    return progress / warmup if progress < warmup else 1.0
+
+
+def linear(progress: float, warmup: float) -> float:
+    """Linear warm-up to peak, then linear decay to 0 at the end (the original BERT)."""
+    if progress < warmup:
+        return progress / warmup
+    return max(0.0, (1.0 - progress) / (1.0 - warmup))
+
+
+@dataclass(frozen=True)
+class LRSchedule:
+    shape: Callable[[float, float], float]
+    # "budget": progress = elapsed / budget; "steps": progress = updates / train.steps
+    clock: str
+    default_warmup: float
+
+    def factor(self, progress: float, warmup: float | None = None) -> float:
+        """Multiplier of the peak learning rate at `progress` (clamped to [0, 1])."""
+        return self.shape(min(max(progress, 0.0), 1.0), self.default_warmup if warmup is None else warmup)
+
+
+LR_SCHEDULES: dict[str, LRSchedule] = {
+    "budget-triangle2": LRSchedule(triangle2, clock="budget", default_warmup=0.75),
+    "budget-cosine": LRSchedule(cosine, clock="budget", default_warmup=0.1),
+    "budget-constant": LRSchedule(constant, clock="budget", default_warmup=0.0),
+    "steps-linear": LRSchedule(linear, clock="steps", default_warmup=0.01),
+}
+
+
+def accumulation_steps(progress: float, batch_size: int, microbatch_size: int, ramp: float) -> int:
+    """Micro-batches per update at budget fraction `progress`: the batch grows linearly from one micro-batch
+    to `batch_size` sequences at `ramp`, in whole micro-batches (rounded down)."""
+    target = max(1, round(batch_size / microbatch_size))
+    if ramp <= 0.0 or progress >= ramp:
+        return target
+    return 1 + int((target - 1) * progress / ramp)

@@ -1,0 +1,162 @@
+"""Final checkpoints (round trip, lookup by path or run name) and resumable states (resume continues steps,
+data position and the budget's elapsed time, and ends where an uninterrupted run ends)."""
+
+from __future__ import annotations
+
+import json
+import signal
+
+import pytest
+import torch
+from test_train import (
+    FakeClock,
+    make_config,
+    read_metrics,
+    run_dir,
+    send_signal_after,
+    synthetic_data,
+)
+
+from cramming.errors import ConfigError
+from cramming.model import BertForMLM, build_model
+from cramming.train import checkpoint, loop
+
+
+def save_tiny(tmp_path, model=None, stamp="2026-01-01_00-00-00"):
+    cfg = make_config(tmp_path)
+    data = synthetic_data(tmp_path)
+    model = model or build_model(cfg.arch, data.vocab_size)
+    directory = run_dir(cfg, stamp) / checkpoint.CHECKPOINT_DIR
+    checkpoint.save_pretrained(
+        torch.compile(model),
+        directory,
+        data.tokenizer,
+        seq_length=32,
+        special=data.special,
+        info={"updates": 3},
+    )
+    return cfg, model, directory
+
+
+def test_round_trip_gives_identical_logits(tmp_path):
+    cfg, model, directory = save_tiny(tmp_path)
+    input_ids = torch.randint(5, 200, (2, 32))
+    labels = torch.where(torch.rand(2, 32) < 0.3, input_ids, -100)
+    loaded = checkpoint.load_pretrained(directory)
+    assert isinstance(loaded.model, BertForMLM)
+    model.eval()
+    loaded.model.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(
+            loaded.model(input_ids, labels).logits, model(input_ids, labels).logits, rtol=0, atol=0
+        )
+    assert loaded.model.head.decoder.weight is loaded.model.encoder.embeddings.word.weight
+    assert loaded.tokenizer.get_vocab_size() == 200
+    assert loaded.config["training"] == {"updates": 3} and loaded.config["seq_length"] == 32
+
+
+def test_weights_carry_no_compile_prefix(tmp_path):
+    from safetensors import safe_open
+
+    _, _, directory = save_tiny(tmp_path)
+    with safe_open(str(directory / checkpoint.WEIGHTS), "pt") as f:
+        keys = list(f.keys())
+    assert keys and not any("_orig_mod" in k for k in keys)
+    config = json.loads((directory / checkpoint.MODEL_CONFIG).read_text())
+    assert config["arch"]["name"] == "tiny" and config["vocab_size"] == 200
+    assert (directory / checkpoint.TOKENIZER).is_file()
+
+
+def test_checkpoint_found_by_run_folder_and_by_name(tmp_path):
+    cfg, _, older = save_tiny(tmp_path, stamp="2026-01-01_00-00-00")
+    _, _, newer = save_tiny(tmp_path, stamp="2026-01-02_00-00-00")
+    (run_dir(cfg, "2026-01-03_00-00-00")).mkdir()  # a newer run without a final model
+    assert checkpoint.resolve_checkpoint(older) == older
+    assert checkpoint.resolve_checkpoint(older.parent) == older
+    assert checkpoint.resolve_checkpoint("test", base_dir=tmp_path) == newer
+    assert checkpoint.resolve_checkpoint("test", base_dir=tmp_path, run="2026-01-01_00-00-00") == older
+    with pytest.raises(FileNotFoundError, match="no checkpoint"):
+        checkpoint.resolve_checkpoint("other", base_dir=tmp_path)
+
+
+@pytest.fixture
+def ticking(monkeypatch):
+    """A fake clock moved 60 s by every micro-batch (wrapping whatever forward_backward is then)."""
+    clock = FakeClock(tick=60.0)
+
+    def install():
+        inner = loop.forward_backward
+
+        def timed(run, input_ids, loss_scale):
+            clock.now += clock.tick
+            return inner(run, input_ids, loss_scale)
+
+        monkeypatch.setattr(loop, "forward_backward", timed)
+
+    return clock, install
+
+
+def test_resume_continues_steps_data_and_elapsed_budget(tmp_path, monkeypatch, ticking):
+    clock, install_clock = ticking
+    data = synthetic_data(tmp_path)
+
+    # reference: uninterrupted, 0.1 h = 360 s at 60 s a micro-batch -> 7 updates, 420 s
+    reference_cfg = make_config(tmp_path, "budget=0.1", "name=reference")
+    install_clock()
+    reference = loop.train(reference_cfg, data, run_dir(reference_cfg), clock=clock)
+    assert reference.progress.updates == 7
+    monkeypatch.undo()
+
+    # the same run, interrupted by SIGINT during its 4th micro-batch ...
+    cfg = make_config(tmp_path, "budget=0.1")
+    send_signal_after(monkeypatch, 4, signal.SIGINT)
+    install_clock()
+    first = loop.train(cfg, data, run_dir(cfg, "2026-01-01_00-00-00"), clock=clock)
+    assert (
+        first.stop_reason == "SIGINT"
+        and first.progress.updates == 4
+        and first.elapsed == pytest.approx(240.0)
+    )
+    monkeypatch.undo()
+
+    # ... then resumed in a new run folder: the budget counts on from 240 s, so 3 more micro-batches
+    clock.now += 10_000.0  # downtime between the two parts is not charged
+    install_clock()
+    resumed_cfg = make_config(tmp_path, "budget=0.1", "resume=true")
+    second = loop.train(resumed_cfg, data, run_dir(cfg, "2026-01-01_01-00-00"), clock=clock)
+    assert second.stop_reason == "budget"
+    assert (second.progress.updates, second.progress.microbatches, second.progress.rows) == (7, 7, 56)
+    assert second.elapsed == pytest.approx(420.0)
+    assert read_metrics(second.run_dir)[0]["update"] == 5
+
+    # and ends exactly where the uninterrupted run ended: same data, masks, optimizer state
+    ours = checkpoint.load_pretrained(second.checkpoint).model.state_dict()
+    theirs = checkpoint.load_pretrained(reference.checkpoint).model.state_dict()
+    for key, value in theirs.items():
+        torch.testing.assert_close(ours[key], value, rtol=0, atol=0, msg=key)
+
+
+def test_resume_without_a_state_fails_clearly(tmp_path):
+    cfg = make_config(tmp_path, "budget=0.1", "resume=true")
+    with pytest.raises(ConfigError, match="no run named 'test'"):
+        loop.train(cfg, synthetic_data(tmp_path), run_dir(cfg))
+
+
+def test_resume_with_another_arch_fails_clearly(tmp_path, monkeypatch):
+    send_signal_after(monkeypatch, 2, signal.SIGTERM)
+    cfg = make_config(tmp_path, "budget=0.1")
+    loop.train(cfg, synthetic_data(tmp_path), run_dir(cfg))
+    monkeypatch.undo()
+    other = make_config(tmp_path, "budget=0.1", "resume=true", "arch.num_layers=3")
+    with pytest.raises(ConfigError, match="another arch"):
+        loop.train(other, synthetic_data(tmp_path), run_dir(other, "2026-01-01_00-00-01"))
+
+
+def test_state_is_written_atomically_and_loads_weights_only(tmp_path, monkeypatch):
+    send_signal_after(monkeypatch, 2, signal.SIGTERM)
+    cfg = make_config(tmp_path, "budget=0.1")
+    loop.train(cfg, synthetic_data(tmp_path), run_dir(cfg))
+    files = sorted(p.name for p in run_dir(cfg).iterdir())
+    assert "state.pt" in files and not any(name.endswith(".tmp") for name in files)
+    state = checkpoint.load_state(run_dir(cfg) / checkpoint.STATE)
+    assert state["progress"]["updates"] == 2 and not any("_orig_mod" in k for k in state["model"])

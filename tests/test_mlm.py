@@ -1,0 +1,94 @@
+"""MLM masking: how many tokens are chosen, how they are corrupted, and that special tokens never are."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cramming.model import IGNORE_INDEX
+from cramming.train.config import MLMConfig
+from cramming.train.mlm import MLMMasker
+
+VOCAB = 500
+SPECIAL = (0, 1, 2, 3, 4)  # pad, unk, cls, sep, mask
+MASK = 4
+
+
+def rows(batch=512, seq=128):
+    """Rows like the packed pretraining data: [CLS] at the start, a [SEP] between documents every ~20 tokens."""
+    ids = torch.randint(5, VOCAB, (batch, seq))
+    ids[:, 0] = 2
+    ids[torch.rand(batch, seq) < 0.05] = 3
+    return ids
+
+
+def mask(ids, seed=0, **cfg):
+    masker = MLMMasker(MLMConfig(**cfg), VOCAB, SPECIAL, MASK)
+    return masker(ids, torch.Generator().manual_seed(seed))
+
+
+def test_count_mode_masks_a_fixed_number_per_row():
+    ids = rows()
+    _, labels = mask(ids)
+    per_row = (labels != IGNORE_INDEX).sum(dim=1)
+    assert torch.all(per_row == 32)  # 25% of 128
+
+
+def test_special_tokens_are_never_chosen_nor_changed():
+    ids = rows()
+    corrupted, labels = mask(ids)
+    special = torch.isin(ids, torch.tensor(SPECIAL))
+    assert special.sum() > 1000
+    assert torch.all(labels[special] == IGNORE_INDEX)
+    assert torch.equal(corrupted[special], ids[special])
+
+
+def test_labels_hold_the_original_tokens():
+    ids = rows()
+    _, labels = mask(ids)
+    chosen = labels != IGNORE_INDEX
+    assert torch.equal(labels[chosen], ids[chosen])
+
+
+@pytest.mark.parametrize("mode", ["count", "probability"])
+def test_80_10_10_replacement(mode):
+    ids = rows()
+    corrupted, labels = mask(ids, mode=mode, mask_fraction=0.25 if mode == "count" else 0.15)
+    chosen = labels != IGNORE_INDEX
+    n = chosen.sum().item()
+    to_mask = (corrupted[chosen] == MASK).float().mean().item()
+    kept = (corrupted[chosen] == ids[chosen]).float().mean().item()
+    # a random replacement can draw the original token (1 in ~495): counted as kept, hence the tolerance
+    randomized = 1.0 - to_mask - kept
+    tol = 4 * (0.25 / n) ** 0.5  # four standard deviations of a share near 0.1-0.8
+    assert to_mask == pytest.approx(0.8, abs=tol)
+    assert randomized == pytest.approx(0.1, abs=tol)
+    assert kept == pytest.approx(0.1, abs=tol)
+    # random replacements are ordinary tokens of the vocabulary, never special ones
+    replaced = corrupted[chosen & (corrupted != MASK) & (corrupted != ids)]
+    assert replaced.min() >= 5 and replaced.max() < VOCAB
+    # unchosen positions are untouched
+    assert torch.equal(corrupted[~chosen], ids[~chosen])
+
+
+def test_probability_mode_masks_the_given_share_of_ordinary_tokens():
+    ids = rows()
+    _, labels = mask(ids, mode="probability", mask_fraction=0.15)
+    ordinary = ~torch.isin(ids, torch.tensor(SPECIAL))
+    share = (labels != IGNORE_INDEX).sum().item() / ordinary.sum().item()
+    assert share == pytest.approx(0.15, abs=0.005)
+    assert (labels != IGNORE_INDEX).sum(dim=1).unique().numel() > 5  # varies per row, unlike count mode
+
+
+def test_row_with_too_few_ordinary_tokens_masks_only_those():
+    ids = torch.full((1, 16), 3)
+    ids[0, [2, 7, 11]] = torch.tensor([10, 11, 12])
+    _, labels = mask(ids, mask_fraction=0.5)  # asks for 8 of 16
+    assert (labels != IGNORE_INDEX).nonzero()[:, 1].tolist() == [2, 7, 11]
+
+
+def test_masking_is_reproducible_from_the_generator():
+    ids = rows(batch=4)
+    a, b, c = mask(ids, seed=1), mask(ids, seed=1), mask(ids, seed=2)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    assert not torch.equal(a[1], c[1])

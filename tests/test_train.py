@@ -1,0 +1,239 @@
+"""The training loop on synthetic rows: the budget stop rule (fake clock), accumulation, step limit, non-finite
+losses, stop signals, logs and metrics."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+from pathlib import Path
+
+import datasets
+import numpy as np
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from tokenizers import Tokenizer
+from tokenizers.models import WordLevel
+
+from cramming.config import CONF_DIR, PretrainConfig, register_configs, validate
+from cramming.data import PretrainingData
+from cramming.train import loop
+from cramming.train.budget import BudgetClock
+
+VOCAB = 200
+SEQ = 32
+
+
+def make_config(base_dir: Path, *overrides: str) -> PretrainConfig:
+    """The real YAML recipe with arch=tiny, sized for a CPU test."""
+    register_configs()
+    defaults = [
+        "arch=tiny",
+        "data=embedded",
+        f"data.seq_length={SEQ}",
+        f"base_dir={base_dir}",
+        "name=test",
+        "impl.device=cpu",
+        "impl.microbatch_size=8",
+        "impl.num_workers=0",
+        "train.batch_size=8",
+        "train.log_every=5",
+        "train.eval_microbatches=2",
+    ]
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return validate(compose("pretrain", overrides=[*defaults, *overrides]))
+
+
+def synthetic_data(path: Path, rows: int = 256) -> PretrainingData:
+    """Rows of tokens drawn from a Zipf distribution, [CLS] first: a model that learns anything at all
+    (the unigram frequencies, first) gets its loss well below log(vocab)."""
+    rng = np.random.default_rng(0)
+    ranks = np.arange(1, VOCAB - 4)
+    p = 1.0 / ranks**1.1
+    ids = 5 + rng.choice(VOCAB - 5, size=(rows, SEQ), p=p / p.sum())
+    ids[:, 0] = 2
+    vocab = {tok: i for i, tok in enumerate(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"])}
+    vocab.update({f"w{i}": i for i in range(5, VOCAB)})
+    train = datasets.Dataset.from_dict({"input_ids": ids.astype(np.uint16)})
+    validation = datasets.Dataset.from_dict({"input_ids": ids[:16].astype(np.uint16)})
+    tokenizer = Tokenizer(WordLevel(vocab, unk_token="[UNK]"))
+    return PretrainingData(path, train, validation, tokenizer, SEQ, stats={})
+
+
+class FakeClock:
+    """Time that moves only when a micro-batch runs: `tick` seconds each."""
+
+    def __init__(self, tick: float):
+        self.now, self.tick = 1000.0, tick
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def fake_clock(monkeypatch):
+    """A FakeClock advanced by every forward/backward of the loop."""
+    clock = FakeClock(tick=60.0)
+    original = loop.forward_backward
+
+    def timed(run, input_ids, loss_scale):
+        clock.now += clock.tick
+        return original(run, input_ids, loss_scale)
+
+    monkeypatch.setattr(loop, "forward_backward", timed)
+    return clock
+
+
+def run_dir(cfg: PretrainConfig, stamp: str = "2026-01-01_00-00-00") -> Path:
+    return Path(cfg.base_dir) / cfg.name / stamp
+
+
+def read_metrics(path: Path) -> list[dict]:
+    return [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_budget_clock_stop_rule():
+    now = [0.0]
+    clock = BudgetClock(0.5, clock=lambda: now[0], elapsed_before=600.0)
+    now[0] = 1200.0  # 600 s before + 1200 s now = exactly the budget: not yet over
+    assert clock.elapsed() == 1800.0 and clock.fraction() == 1.0 and not clock.expired()
+    now[0] = 1200.5
+    assert clock.expired()
+
+
+def test_stops_after_the_microbatch_that_passes_the_budget(tmp_path, fake_clock):
+    # 0.1 h = 360 s at 60 s per micro-batch: the 6th ends at exactly 360 s (not over), the 7th passes it
+    cfg = make_config(tmp_path, "budget=0.1")
+    result = loop.train(cfg, synthetic_data(tmp_path), run_dir(cfg), clock=fake_clock)
+    assert result.stop_reason == "budget"
+    assert (result.progress.microbatches, result.progress.updates) == (7, 7)
+    assert result.elapsed == pytest.approx(420.0)
+    assert result.checkpoint is not None and (result.checkpoint / "model.safetensors").is_file()
+
+
+def test_update_cut_short_by_the_budget_is_dropped(tmp_path, fake_clock):
+    # 4 micro-batches per update: update 1 = micro-batches 1-4; 5-7 are cut off by the budget at the 7th
+    cfg = make_config(tmp_path, "budget=0.1", "train.batch_size=32", "train.batch_size_ramp=0")
+    result = loop.train(cfg, synthetic_data(tmp_path), run_dir(cfg), clock=fake_clock)
+    assert (result.progress.microbatches, result.progress.updates, result.progress.rows) == (7, 1, 32)
+
+
+def test_batch_size_ramps_with_the_budget(tmp_path, fake_clock):
+    # 100 micro-batches in the budget; the batch grows from 1 to 4 micro-batches by 50% of it
+    fake_clock.tick = 36.0
+    cfg = make_config(
+        tmp_path, "budget=1", "train.batch_size=32", "train.batch_size_ramp=0.5", "train.log_every=1"
+    )
+    loop.train(cfg, synthetic_data(tmp_path), run_dir(cfg), clock=fake_clock)
+    batches = [r["batch_size"] for r in read_metrics(run_dir(cfg)) if "batch_size" in r]
+    assert batches[0] == 8 and batches[-1] == 32
+    assert batches == sorted(batches)
+
+
+def test_steps_limit_and_loss_falls(tmp_path):
+    cfg = make_config(
+        tmp_path,
+        "budget=1",
+        "train.steps=60",
+        "train.lr_schedule=steps-linear",
+        "train.warmup=0.1",
+        "train.log_every=10",
+    )
+    result = loop.train(cfg, synthetic_data(tmp_path), run_dir(cfg))
+    assert result.stop_reason == "steps" and result.progress.updates == 60
+    losses = [r["loss"] for r in read_metrics(run_dir(cfg)) if "loss" in r]
+    assert losses[-1] < losses[0] - 1.0, losses
+    assert result.validation["loss"] < losses[0] - 1.0
+
+
+def test_log_line_and_metrics_record(tmp_path, caplog):
+    cfg = make_config(tmp_path, "budget=1", "train.steps=5", "train.lr_schedule=steps-linear")
+    with caplog.at_level(logging.INFO, logger="cramming"):
+        loop.train(cfg, synthetic_data(tmp_path), run_dir(cfg))
+    assert "model tiny:" in caplog.text and "M parameters" in caplog.text
+    line = next(r.message for r in caplog.records if r.message.startswith("update 5 "))
+    for part in ("loss", "mlm acc", "lr", "seq/s", "tok/s", "h / 1.00h", "ends"):
+        assert part in line
+    records = read_metrics(run_dir(cfg))
+    assert [r["update"] for r in records if "loss" in r] == [1, 5]
+    keys = {"loss", "mlm_acc", "lr", "seq_per_s", "tok_per_s", "elapsed_h", "budget_fraction", "batch_size"}
+    assert keys <= records[-2].keys()
+    assert "val_loss" in records[-1]
+
+
+def test_nonfinite_loss_skips_the_update_then_stops(tmp_path, monkeypatch):
+    original = loop.forward_backward
+    poisoned = {3}  # micro-batches (1-based) whose loss is NaN
+    calls = [0]
+
+    def nan_sometimes(run, input_ids, loss_scale):
+        calls[0] += 1
+        loss, right, count = original(run, input_ids, loss_scale)
+        return (torch.full_like(loss, float("nan")) if calls[0] in poisoned else loss), right, count
+
+    monkeypatch.setattr(loop, "forward_backward", nan_sometimes)
+    cfg = make_config(tmp_path, "budget=1", "train.steps=5", "train.lr_schedule=steps-linear")
+    result = loop.train(cfg, synthetic_data(tmp_path), run_dir(cfg))
+    assert (result.progress.updates, result.progress.skipped, result.progress.microbatches) == (5, 1, 6)
+
+    poisoned.update(range(4, 100))
+    calls[0] = 0
+    cfg = make_config(tmp_path, "budget=1", "train.max_nonfinite_updates=3")
+    with pytest.raises(loop.TrainingDiverged, match="3 updates in a row"):
+        loop.train(cfg, synthetic_data(tmp_path), run_dir(cfg, "2026-01-01_00-00-01"))
+
+
+def send_signal_after(monkeypatch, microbatches: int, signum: int) -> None:
+    """Make the loop receive `signum` during its `microbatches`-th micro-batch."""
+    original = loop.forward_backward
+    calls = [0]
+
+    def signalling(run, input_ids, loss_scale):
+        calls[0] += 1
+        if calls[0] == microbatches:
+            os.kill(os.getpid(), signum)
+        return original(run, input_ids, loss_scale)
+
+    monkeypatch.setattr(loop, "forward_backward", signalling)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_stop_signal_saves_a_resumable_state(tmp_path, monkeypatch, signum):
+    send_signal_after(monkeypatch, 4, signum)
+    previous = signal.getsignal(signum)
+    cfg = make_config(tmp_path, "budget=1")
+    result = loop.train(cfg, synthetic_data(tmp_path), run_dir(cfg))
+    assert result.stop_reason == signal.Signals(signum).name
+    assert result.checkpoint is None
+    assert result.progress.microbatches == 4 and result.progress.updates == 4
+    assert (run_dir(cfg) / "state.pt").is_file()
+    assert signal.getsignal(signum) is previous  # handlers restored
+
+
+def test_config_checks_across_groups(tmp_path):
+    from cramming.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="data.seq_length"):
+        make_config(tmp_path, "data.seq_length=256")  # arch tiny covers 128 positions
+    with pytest.raises(ConfigError, match="train.steps"):
+        make_config(tmp_path, "train.lr_schedule=steps-linear")  # a step schedule needs a step count
+    cfg = make_config(tmp_path)
+    assert cfg.impl.compute_dtype(torch.device("cpu")) == torch.float32  # precision=auto: fp32 on CPU
+
+
+def test_row_stream_order_and_resume(tmp_path):
+    from cramming.train.batches import RowStream
+
+    rows = datasets.Dataset.from_dict(
+        {"input_ids": np.arange(10, dtype=np.uint16)[:, None].repeat(4, axis=1)}
+    )
+    stream = RowStream(rows, microbatch_size=4, seed=0)
+    seen = torch.cat([stream[i][:, 0] for i in range(5)]).tolist()  # 20 rows: two epochs
+    assert seen[:10] == list(range(10))  # the stored order first (it may be a curriculum)
+    assert sorted(seen[10:]) == list(range(10)) and seen[10:] != list(range(10))  # then a permutation
+    # a stream resumed at row 6 with another micro-batch size continues with exactly the same rows
+    resumed = RowStream(rows, microbatch_size=7, seed=0, start=6)
+    assert torch.cat([resumed[0][:, 0], resumed[1][:, 0]]).tolist()[:14] == seen[6:20]
+    assert stream[0].dtype == torch.int64
