@@ -16,6 +16,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 
 from cramming.data.config import DataConfig
 from cramming.errors import ConfigError, config_error
+from cramming.eval.config import EvalRunConfig
 from cramming.impl import ImplConfig
 from cramming.model.config import ArchConfig
 from cramming.train.config import TrainConfig
@@ -40,12 +41,22 @@ class PretrainConfig:
     dryrun: bool = False
     # root of run folders and of the processed-data cache ({base_dir}/data)
     base_dir: str = "outputs"
+    # continue the newest run of this name that left a resumable state; its budget keeps counting
+    resume: bool = False
 
     def __post_init__(self) -> None:
         if self.budget <= 0:
-            raise config_error("budget", self.budget, "give the wall-clock budget in hours, e.g. budget=24 or budget=0.1")
+            raise config_error(
+                "budget", self.budget, "give the wall-clock budget in hours, e.g. budget=24 or budget=0.1"
+            )
         if not self.name or "/" in self.name:
             raise config_error("name", self.name, "use a plain folder name without '/'")
+        if self.data.seq_length > self.arch.max_seq_length:
+            raise config_error(
+                "data.seq_length",
+                self.data.seq_length,
+                f"arch {self.arch.name} covers at most arch.max_seq_length={self.arch.max_seq_length} positions",
+            )
 
     @property
     def data_cache_root(self) -> Path:
@@ -56,6 +67,7 @@ def register_configs() -> None:
     """Make the schemas known to Hydra; the YAML files in conf/ name them first in their defaults."""
     cs = ConfigStore.instance()
     cs.store(name="pretrain_schema", node=PretrainConfig)
+    cs.store(name="eval_schema", node=EvalRunConfig)
 
 
 def validate(cfg: DictConfig, schema: type = PretrainConfig):

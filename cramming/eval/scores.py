@@ -65,7 +65,9 @@ def glue_average(scores: dict[str, EntryScore]) -> tuple[float | None, list[str]
     return float(np.mean([scores[e].median for e in used])), used
 
 
-def markdown_table(scores: dict[str, EntryScore], skipped: list[str] | None = None) -> str:
+def markdown_table(
+    scores: dict[str, EntryScore], skipped: list[str] | None = None, not_run: list[str] | None = None
+) -> str:
     """One row of median scores ×100 (with the spread over seeds when there are several)."""
     avg, used = glue_average(scores)
     entries = list(scores)
@@ -93,4 +95,6 @@ def markdown_table(scores: dict[str, EntryScore], skipped: list[str] | None = No
     )
     if skipped:
         lines.append(f"Skipped (no data): {', '.join(skipped)}.")
+    if not_run:
+        lines.append(f"Not run (the eval budget ran out first): {', '.join(not_run)}.")
     return "\n".join(lines) + "\n"

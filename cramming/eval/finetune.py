@@ -1,0 +1,224 @@
+"""Fine-tune a pretrained encoder on one GLUE task and evaluate it.
+
+The classifier reads the final hidden state of the first token ([CLS], after the final LayerNorm) through
+dropout and one linear layer: class logits, or one score for STS-B (regression, mean-squared error).
+Batches are padded only to their longest input. Each (task, seed) starts from a fresh copy of the
+pretrained weights.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass
+
+import datasets
+import numpy as np
+import torch
+import torch.nn.functional as F
+from tokenizers import Tokenizer
+from torch import nn
+
+from cramming.eval.config import EvalConfig
+from cramming.eval.glue_metric import load_glue_metric
+from cramming.eval.tasks import GlueTask
+from cramming.impl import ImplConfig
+from cramming.model import Encoder
+from cramming.optim import build_optimizer
+from cramming.optim.base import check_layerwise_loop
+from cramming.train.budget import BudgetClock
+from cramming.train.checkpoint import load_pretrained
+from cramming.utils import seed_everything
+
+log = logging.getLogger("cramming")
+
+
+class SequenceClassifier(nn.Module):
+    def __init__(self, encoder: Encoder, hidden_size: int, num_labels: int, dropout: float):
+        super().__init__()
+        self.encoder = encoder
+        self.dropout = nn.Dropout(dropout)
+        self.head = nn.Linear(hidden_size, num_labels)
+
+    def forward(self, input_ids, attention_mask, token_type_ids=None) -> torch.Tensor:
+        hidden = self.encoder(input_ids, attention_mask, token_type_ids)  # (batch, seq, hidden)
+        return self.head(self.dropout(hidden[:, 0]))  # (batch, num_labels)
+
+
+@dataclass
+class Encoded:
+    """A split tokenized once: token ids and segment ids per example, and the labels."""
+
+    ids: list[list[int]]
+    type_ids: list[list[int]]
+    labels: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+
+def encode(
+    split: datasets.Dataset, tokenizer: Tokenizer, max_length: int, limit: int | None, seed: int
+) -> Encoded:
+    """`[CLS] a [SEP]` or `[CLS] a [SEP] b [SEP]`, truncated to max_length; `limit` draws a random subset."""
+    if limit is not None and limit < len(split):
+        split = split.shuffle(seed=seed).select(range(limit))
+    tokenizer = Tokenizer.from_str(tokenizer.to_str())  # a copy: truncation is a setting of the object
+    tokenizer.enable_truncation(max_length)
+    tokenizer.no_padding()
+    pairs = [(a, b) if b else a for a, b in zip(split["text_a"], split["text_b"], strict=True)]
+    encodings = tokenizer.encode_batch(pairs)
+    return Encoded([e.ids for e in encodings], [e.type_ids for e in encodings], np.asarray(split["label"]))
+
+
+def padded_batch(
+    data: Encoded, index: np.ndarray, pad_id: int, device: torch.device
+) -> dict[str, torch.Tensor]:
+    """Pad the chosen examples to the longest of them."""
+    longest = max(len(data.ids[i]) for i in index)
+    ids = torch.full((len(index), longest), pad_id, dtype=torch.long)
+    types = torch.zeros((len(index), longest), dtype=torch.long)
+    mask = torch.zeros((len(index), longest), dtype=torch.bool)
+    for row, i in enumerate(index):
+        n = len(data.ids[i])
+        ids[row, :n] = torch.tensor(data.ids[i])
+        types[row, :n] = torch.tensor(data.type_ids[i])
+        mask[row, :n] = True
+    label_dtype = torch.float32 if data.labels.dtype.kind == "f" else torch.long
+    return {
+        "input_ids": ids.to(device),
+        "token_type_ids": types.to(device),
+        "attention_mask": mask.to(device),
+        "labels": torch.as_tensor(data.labels[index], dtype=label_dtype).to(device),
+    }
+
+
+def lr_factor(step: int, total: int, warmup: float, schedule: str) -> float:
+    """Multiplier of the peak learning rate at `step` of `total`: linear warm-up, then the schedule."""
+    warm = int(warmup * total)
+    if step < warm:
+        return (step + 1) / warm
+    progress = (step - warm) / max(1, total - warm)
+    if schedule == "cosine":
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
+    if schedule == "linear":
+        return 1.0 - progress
+    return 1.0
+
+
+def _loss(logits: torch.Tensor, labels: torch.Tensor, regression: bool) -> torch.Tensor:
+    if regression:
+        return F.mse_loss(logits.squeeze(-1).float(), labels)
+    return F.cross_entropy(logits.float(), labels)
+
+
+@dataclass
+class TaskResult:
+    metrics: dict[str, dict[str, float]]  # entry name -> metric -> value
+    train_examples: int
+    steps: int
+    seconds: float
+    final_loss: float
+    stopped_by_budget: bool
+
+
+def finetune(
+    task: GlueTask,
+    splits: datasets.DatasetDict,
+    checkpoint: str,
+    cfg: EvalConfig,
+    impl: ImplConfig,
+    seed: int,
+    clock: BudgetClock | None = None,
+) -> TaskResult:
+    """Fine-tune a fresh copy of `checkpoint` on `task` and evaluate every evaluation split."""
+    start = time.perf_counter()
+    device, dtype = impl.torch_device(), impl.compute_dtype(impl.torch_device())
+    seed_everything(seed)
+    pretrained = load_pretrained(
+        checkpoint,
+        device=device,
+        attention=impl.attention,
+        layernorm=impl.layernorm,
+        strict_kernels=impl.strict_kernels,
+    )
+    arch = pretrained.model.arch
+    model = SequenceClassifier(pretrained.model.encoder, arch.hidden_size, task.num_labels, arch.dropout).to(
+        device
+    )
+    pad_id = pretrained.config["special_tokens"]["pad"]
+    epochs, lr, batch_size = cfg.for_task(task.name)
+    train = encode(splits["train"], pretrained.tokenizer, cfg.max_length, cfg.max_train_examples, seed)
+    optimizer = build_optimizer(model, cfg.optim_config(lr), max_grad_norm=cfg.grad_clip)
+    scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
+    check_layerwise_loop(optimizer, grad_accumulation=1, distributed=False, grad_scaler=scaler.is_enabled())
+    peak = [group["lr"] for group in optimizer.param_groups]
+    steps_per_epoch = math.ceil(len(train) / batch_size)
+    total = epochs * steps_per_epoch
+    rng = np.random.default_rng(seed)
+    step, loss_value, stopped = 0, float("nan"), False
+    model.train()
+    for epoch in range(epochs):
+        order = rng.permutation(len(train))
+        epoch_start, epoch_loss, seen = time.perf_counter(), 0.0, 0
+        for first in range(0, len(order), batch_size):
+            batch = padded_batch(train, order[first : first + batch_size], pad_id, device)
+            for group, top in zip(optimizer.param_groups, peak, strict=True):
+                group["lr"] = top * lr_factor(step, total, cfg.warmup, cfg.schedule)
+            with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
+                logits = model(batch["input_ids"], batch["attention_mask"], batch["token_type_ids"])
+            loss = _loss(logits, batch["labels"], task.is_regression)
+            scaler.scale(loss).backward()
+            if cfg.grad_clip is not None and not getattr(optimizer, "layerwise", False):
+                scaler.unscale_(optimizer)
+                nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
+            loss_value = loss.item()
+            epoch_loss += loss_value * len(batch["labels"])
+            seen += len(batch["labels"])
+            if clock is not None and clock.expired():
+                stopped = True
+                break
+        took = time.perf_counter() - epoch_start
+        log.info(
+            "%s seed %d epoch %d/%d: loss %.4f, %.0f examples/s%s",
+            task.name, seed, epoch + 1, epochs, epoch_loss / max(1, seen), seen / max(took, 1e-9),
+            " (eval budget spent: stopping here)" if stopped else "",
+        )  # fmt: skip
+        if stopped:
+            break
+    metrics = {
+        task.entry_name(split): evaluate(
+            model, task, splits[split or "dev"], pretrained.tokenizer, cfg, pad_id, seed
+        )
+        for split, _, _ in task.eval_splits
+    }
+    return TaskResult(metrics, len(train), step, time.perf_counter() - start, loss_value, stopped)
+
+
+@torch.no_grad()
+def evaluate(
+    model: SequenceClassifier, task: GlueTask, split: datasets.Dataset, tokenizer: Tokenizer, cfg: EvalConfig,
+    pad_id: int, seed: int,
+) -> dict[str, float]:  # fmt: skip
+    device = next(model.parameters()).device
+    data = encode(split, tokenizer, cfg.max_length, cfg.max_eval_examples, seed)
+    model.eval()
+    predictions = []
+    # longest first: batches of similar length pad little
+    order = np.argsort([-len(x) for x in data.ids], kind="stable")
+    for first in range(0, len(order), 4 * cfg.batch_size):
+        index = order[first : first + 4 * cfg.batch_size]
+        batch = padded_batch(data, index, pad_id, device)
+        logits = model(batch["input_ids"], batch["attention_mask"], batch["token_type_ids"]).float()
+        predictions.append(logits.squeeze(-1) if task.is_regression else logits.argmax(-1))
+    model.train()
+    pred = torch.cat(predictions).cpu().numpy()
+    unsorted = np.empty_like(pred)
+    unsorted[order] = pred
+    metric = load_glue_metric(task.hub_config)
+    return metric.compute(predictions=unsorted.tolist(), references=data.labels.tolist())

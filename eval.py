@@ -1,0 +1,45 @@
+"""Fine-tune and evaluate a pretrained checkpoint on GLUE: `python eval.py checkpoint=<run name or folder>`.
+
+Reads like the recipe: compose the config, find the checkpoint, fine-tune a fresh copy per task and seed,
+write the scores (JSON and a markdown table) into the run folder.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
+
+from cramming.config import register_configs, validate
+from cramming.errors import ConfigError
+from cramming.eval.config import EvalRunConfig
+from cramming.eval.run import run_glue
+from cramming.model import KernelUnavailableError
+from cramming.train.checkpoint import resolve_checkpoint
+
+log = logging.getLogger("cramming")
+register_configs()
+
+
+@hydra.main(config_path="conf", config_name="eval", version_base="1.3")
+def main(cfg: DictConfig) -> None:
+    try:
+        config = validate(cfg, EvalRunConfig)
+        checkpoint = resolve_checkpoint(config.checkpoint, config.base_dir)
+    except (ConfigError, FileNotFoundError) as err:
+        log.error("%s", err)
+        sys.exit(2)
+    log.info("evaluating %s on %s with %s", checkpoint, ", ".join(config.eval.tasks), config.eval.optim)
+    try:
+        run_glue(config, checkpoint, Path(HydraConfig.get().runtime.output_dir))
+    except (ConfigError, KernelUnavailableError) as err:
+        log.error("%s", err)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,135 @@
+"""GLUE fine-tuning end to end on a tiny model: every optimizer family learns, skipped tasks, lookup by name."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from cramming.data.config import NormalizerConfig, TokenizerConfig
+from cramming.data.tokenizer import SpecialTokens, build_normalizer, train_tokenizer
+from cramming.eval.config import EvalConfig, EvalRunConfig
+from cramming.eval.finetune import finetune, lr_factor
+from cramming.eval.glue_data import load_local
+from cramming.eval.run import RESULTS_JSON, RESULTS_TABLE, run_glue
+from cramming.eval.tasks import GLUE_TASKS
+from cramming.impl import ImplConfig
+from cramming.model import ArchConfig, build_model
+from cramming.train.checkpoint import resolve_checkpoint, save_pretrained
+
+GLUE_DIR = Path(__file__).resolve().parents[2] / "shared" / "data" / "glue"
+TINY = ArchConfig(name="tiny", num_layers=2, hidden_size=64, num_heads=2, intermediate_size=128, dropout=0.0)
+
+
+def _save_tiny_checkpoint(run_dir, texts):
+    norm_cfg = NormalizerConfig()
+    norm = build_normalizer(norm_cfg)
+    tokenizer = train_tokenizer(
+        [[norm.normalize_str(t) for t in texts]], TokenizerConfig(vocab_size=1500), norm_cfg
+    )
+    model = build_model(TINY, tokenizer.get_vocab_size())
+    return save_pretrained(
+        model,
+        run_dir / "checkpoint",
+        tokenizer,
+        seq_length=128,
+        special=SpecialTokens(),
+        info={"note": "untrained"},
+    )
+
+
+@pytest.fixture(scope="module")
+def sst2(tmp_path_factory):
+    if not GLUE_DIR.exists():
+        pytest.skip("shared GLUE data not found")
+    splits = load_local(GLUE_TASKS["SST-2"], GLUE_DIR)
+    subset = splits["train"].shuffle(seed=0).select(range(160))
+    root = tmp_path_factory.mktemp("runs")
+    checkpoint = _save_tiny_checkpoint(
+        root / "tiny" / "2026-01-01_00-00-00", splits["train"]["text_a"][:5000]
+    )
+    return subset, checkpoint
+
+
+@pytest.mark.parametrize(
+    "optim",
+    ["adamw", "adamw_8bit", "galore_adamw", "galore_adamw_8bit", "galore_adafactor", "adamw_layerwise"],
+)
+def test_every_optimizer_family_fits_the_training_subset(sst2, optim):
+    """A tiny model fine-tuned on 160 SST-2 sentences beats the majority class on those sentences."""
+    subset, checkpoint = sst2
+    cfg = EvalConfig(
+        tasks=["SST-2"], optim=optim, lr=2e-3, epochs=8, batch_size=16, rank=8, scale=1.0, update_proj_gap=50
+    )
+    splits = {"train": subset, "dev": subset}  # evaluated on what it was trained on: can it learn at all
+    result = finetune(GLUE_TASKS["SST-2"], splits, str(checkpoint), cfg, ImplConfig(device="cpu"), seed=0)
+    labels = np.asarray(subset["label"])
+    majority = max(labels.mean(), 1 - labels.mean())
+    accuracy = result.metrics["SST-2"]["accuracy"]
+    assert accuracy > majority + 0.1, f"{optim}: accuracy {accuracy:.3f}, majority class {majority:.3f}"
+    assert result.steps == 8 * 10
+
+
+def test_run_glue_writes_tables_and_skips_missing_tasks(sst2, tmp_path, glue_dir):
+    _, checkpoint = sst2
+    cfg = EvalRunConfig(
+        eval=EvalConfig(
+            tasks=["RTE", "STS-B", "QQP"], glue_dir=str(glue_dir), epochs=1, max_train_examples=48,
+            max_eval_examples=40, lr=1e-3,
+        ),
+        impl=ImplConfig(device="cpu"),
+        checkpoint=str(checkpoint),
+    )  # fmt: skip
+    report = run_glue(cfg, checkpoint, tmp_path)
+    assert report["skipped_no_data"] == ["QQP"]
+    assert set(report["scores"]) == {"RTE", "STS-B"}
+    assert report["scores"]["STS-B"]["metric"] == "pearson"
+    assert report["average_entries"] == ["STS-B", "RTE"]
+    assert json.loads((tmp_path / RESULTS_JSON).read_text())["glue_average"] == pytest.approx(
+        report["glue_average"]
+    )
+    table = (tmp_path / RESULTS_TABLE).read_text()
+    assert "| STS-B | RTE | Avg |" in table and "Skipped (no data): QQP." in table
+
+
+def test_eval_budget_stops_before_later_tasks(sst2, tmp_path, glue_dir):
+    _, checkpoint = sst2
+    ticks = iter(range(0, 10**6, 3600))  # every look at the clock is one more hour
+    cfg = EvalRunConfig(
+        eval=EvalConfig(
+            tasks=["RTE", "MRPC"],
+            glue_dir=str(glue_dir),
+            epochs=1,
+            max_train_examples=32,
+            max_eval_examples=16,
+        ),
+        impl=ImplConfig(device="cpu"),
+        checkpoint=str(checkpoint),
+        budget=1.5,
+    )
+    report = run_glue(cfg, checkpoint, tmp_path, clock=lambda: float(next(ticks)))
+    assert report["not_run_budget"] == ["MRPC"]
+    assert report["runs"][0]["stopped_by_budget"]
+    assert "Not run (the eval budget ran out first): MRPC." in (tmp_path / RESULTS_TABLE).read_text()
+
+
+def test_checkpoint_lookup_by_name_and_path(sst2, tmp_path):
+    _, checkpoint = sst2
+    base = checkpoint.parent.parent.parent  # {base}/tiny/{timestamp}/checkpoint
+    newer = base / "tiny" / "2026-02-01_00-00-00"
+    _save_tiny_checkpoint(newer, ["a few words of text to train on", "and some more words"] * 20)
+    assert resolve_checkpoint("tiny", base) == newer / "checkpoint"
+    assert resolve_checkpoint(str(checkpoint.parent), base) == checkpoint
+    assert resolve_checkpoint(str(checkpoint), base) == checkpoint
+    with pytest.raises(FileNotFoundError, match="no checkpoint at .*nor a finished run named 'other'"):
+        resolve_checkpoint("other", base)
+
+
+def test_schedule_warms_up_then_decays():
+    total = 100
+    factors = [lr_factor(s, total, 0.1, "cosine") for s in range(total)]
+    assert factors[0] == pytest.approx(0.1) and factors[9] == pytest.approx(1.0)
+    assert factors[10] == pytest.approx(1.0) and factors[-1] < 0.01
+    assert all(a >= b for a, b in zip(factors[10:], factors[11:], strict=False))
