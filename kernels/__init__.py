@@ -13,8 +13,8 @@ import importlib.util
 import os
 
 
-def triton_status() -> tuple[bool, str]:
-    """Whether a Triton kernel can launch here, and why not when it cannot.
+def triton_status(device_type: str | None = None) -> tuple[bool, str]:
+    """Whether a Triton kernel can launch here (on `device_type`, e.g. "cpu", when given), and why not.
 
     A kernel launches on a CUDA device, or on CPU in the Triton interpreter (`TRITON_INTERPRET=1`, read by
     triton when a kernel module is first imported: set it before that). The model uses this to fall back
@@ -26,6 +26,8 @@ def triton_status() -> tuple[bool, str]:
         return True, "Triton interpreter (TRITON_INTERPRET=1): runs on CPU, slow, for tests only"
     import torch
 
+    if device_type not in (None, "cuda"):
+        return False, f"the model runs on {device_type}, and TRITON_INTERPRET=1 is not set"
     if torch.cuda.is_available():
         return True, f"CUDA device: {torch.cuda.get_device_name()}"
     return False, "no CUDA device, and TRITON_INTERPRET=1 is not set (set it before importing the kernels)"

@@ -72,6 +72,17 @@ def test_crammed_bert_has_no_biases_and_ties_the_decoder():
     assert model.encoder.blocks[0].ffn.down.in_features == 1536  # gated: 3072 -> gate x GELU(value) of 1536
 
 
+def test_layernorm_bias_is_switchable():
+    model = BertForMLM(tiny(norm_bias=False), VOCAB)
+    norms = [m for m in model.modules() if type(m).__name__ == "LayerNorm"]
+    assert norms and all(m.bias is None for m in norms)
+    assert count_parameters(model) == count_parameters(BertForMLM(tiny(), VOCAB)) - sum(
+        m.weight.numel() for m in norms
+    )
+    input_ids, labels = mlm_batch()
+    model(input_ids, labels).loss.backward()
+
+
 @pytest.mark.parametrize("variant", ["tiny", "bert-base-shape"])
 def test_shapes_forward_and_backward(variant):
     arch = tiny() if variant == "tiny" else arch_from_yaml("bert-base", **SMALL_BERT_BASE)

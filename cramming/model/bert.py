@@ -23,10 +23,10 @@ IGNORE_INDEX = -100  # label of positions that are not predicted
 class LayerNorm(nn.Module):
     """LayerNorm over the last dimension, computed by a selectable backend."""
 
-    def __init__(self, size: int, eps: float, backend: str = "torch"):
+    def __init__(self, size: int, eps: float, backend: str = "torch", bias: bool = True):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
-        self.bias = nn.Parameter(torch.zeros(size))
+        self.bias = nn.Parameter(torch.zeros(size)) if bias else None
         self.eps = eps
         self.fn = LAYERNORM[backend]
 
@@ -76,7 +76,9 @@ class Embeddings(nn.Module):
             nn.Embedding(arch.type_vocab_size, arch.hidden_size) if arch.type_vocab_size else None
         )
         self.norm = (
-            LayerNorm(arch.hidden_size, arch.norm_eps, layernorm) if arch.embedding_norm else nn.Identity()
+            LayerNorm(arch.hidden_size, arch.norm_eps, layernorm, arch.norm_bias)
+            if arch.embedding_norm
+            else nn.Identity()
         )
         self.dropout = nn.Dropout(dropout)
 
@@ -132,9 +134,9 @@ class Block(nn.Module):
     def __init__(self, arch: ArchConfig, dropout: float, attention: str, layernorm: str):
         super().__init__()
         self.pre_norm = arch.norm_scheme == "pre"
-        self.norm1 = LayerNorm(arch.hidden_size, arch.norm_eps, layernorm)
+        self.norm1 = LayerNorm(arch.hidden_size, arch.norm_eps, layernorm, arch.norm_bias)
         self.attention = SelfAttention(arch, dropout, attention)
-        self.norm2 = LayerNorm(arch.hidden_size, arch.norm_eps, layernorm)
+        self.norm2 = LayerNorm(arch.hidden_size, arch.norm_eps, layernorm, arch.norm_bias)
         self.ffn = FeedForward(arch)
         self.dropout = nn.Dropout(dropout)
 
@@ -156,7 +158,9 @@ class Encoder(nn.Module):
             Block(arch, dropout, attention, layernorm) for _ in range(arch.num_layers)
         )
         self.final_norm = (
-            LayerNorm(arch.hidden_size, arch.norm_eps, layernorm) if arch.final_norm else nn.Identity()
+            LayerNorm(arch.hidden_size, arch.norm_eps, layernorm, arch.norm_bias)
+            if arch.final_norm
+            else nn.Identity()
         )
 
     def forward(
@@ -183,7 +187,7 @@ class PredictionHead(nn.Module):
             self.transform = nn.Sequential(
                 nn.Linear(arch.hidden_size, arch.hidden_size, bias=arch.bias),
                 nn.GELU(),
-                LayerNorm(arch.hidden_size, arch.norm_eps, layernorm),
+                LayerNorm(arch.hidden_size, arch.norm_eps, layernorm, arch.norm_bias),
             )
         else:
             self.transform = nn.Identity()

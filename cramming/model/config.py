@@ -27,8 +27,10 @@ class ArchConfig:
     ffn: str = "glu"
     # pre: x + f(norm(x)) (cramming); post: norm(x + f(x)) (original BERT)
     norm_scheme: str = "pre"
-    # biases of the linear layers (QKV, attention output, FFN, head transform); LayerNorms keep theirs
+    # biases of the linear layers (QKV, attention output, FFN, head transform)
     bias: bool = False
+    # the LayerNorms' additive bias; `bias` above covers only the linear layers
+    norm_bias: bool = True
     # scaled-sinusoidal: fixed sinusoids times one learned scale (cramming); learned: a table (original BERT)
     position_embedding: str = "scaled-sinusoidal"
     # longest sequence the position embedding covers; data.seq_length must not exceed it

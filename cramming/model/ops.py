@@ -10,7 +10,6 @@ from __future__ import annotations
 import importlib
 import logging
 import math
-import os
 from collections.abc import Callable
 
 import torch
@@ -79,8 +78,11 @@ def triton_unavailable(module: str, device: torch.device) -> str | None:
 
     Triton launches on CUDA tensors, or anywhere under its interpreter (TRITON_INTERPRET=1, slow but exact).
     """
-    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        return f"no CUDA device (running on {device.type}) and TRITON_INTERPRET is not 1"
+    from cramming.kernels import triton_status
+
+    ok, why = triton_status(device.type)
+    if not ok:
+        return why
     try:
         importlib.import_module(module)
     except Exception as err:  # ImportError, or Triton failing to initialize
