@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -70,6 +71,7 @@ def main() -> None:
             f"no shard at {args.shard}: pass --shard PATH to a .jsonl.gz file with a `text` field"
         )
 
+    load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as tmp:
         cache = Path(tmp) / "cache"
         read = run_phase("read", args.shard, cache, args.vocab, args.num_proc)
@@ -122,6 +124,9 @@ def main() -> None:
         f"(same run). Pipeline step seconds: "
         + ", ".join(f"{k} {v:.1f}" for k, v in sec.items() if k != "total")
         + ".",
+        "",
+        f"Machine: {os.cpu_count()} cores; 1-minute load average {load_before:.1f} before and "
+        f"{os.getloadavg()[0]:.1f} after the run (other work slows every phase, the reference too).",
         "",
         f"Command: `python scripts/bench_preprocess.py --vocab {args.vocab} --num-proc {args.num_proc}`",
     ]
