@@ -1,0 +1,223 @@
+"""One rank of tests/test_distributed.py's torchrun launch (CPU, gloo):
+
+    torchrun --standalone --nproc_per_node=2 tests/distributed_worker.py OUT_DIR SCENARIO...
+
+SCENARIO: ddp, optimizers, fsdp2; add `cuda` to run them on GPUs (nccl) instead of the CPU (gloo).
+
+Each scenario trains the tiny model of tests/test_train.py with loop.train() and records, per rank, what the
+tests check (progress, stop reason, parameter differences to rank 0 after every update, gradient all-reduces
+per micro-batch, errors) into OUT_DIR/rank<r>.json. Run folders go under OUT_DIR/runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from test_train import FakeClock, make_config, run_dir, synthetic_data
+
+from cramming.errors import ConfigError
+from cramming.train import distributed, loop
+
+torch.set_num_threads(1)
+RANK = int(os.environ["RANK"])
+
+
+@contextlib.contextmanager
+def patched(owner, name: str, make):
+    """Replace owner.name by make(original) for the block."""
+    original = getattr(owner, name)
+    setattr(owner, name, make(original))
+    try:
+        yield
+    finally:
+        setattr(owner, name, original)
+
+
+def whole(param: torch.Tensor) -> torch.Tensor:
+    """The full parameter: FSDP2 holds a DTensor shard (gathering it is collective)."""
+    return param.full_tensor() if hasattr(param, "full_tensor") else param.detach()
+
+
+def watch_parameters(differences: list[float]):
+    """apply_update, then the largest difference of this rank's parameters to rank 0's."""
+
+    def make(apply_update):
+        def checked(run, loss):
+            applied = apply_update(run, loss)
+            flat = torch.cat([whole(p).reshape(-1) for p in run.model.parameters()])
+            reference = flat.clone()
+            dist.broadcast(reference, src=0)
+            differences.append((flat - reference).abs().max().item())
+            return applied
+
+        return checked
+
+    return patched(loop, "apply_update", make)
+
+
+def count_allreduces(per_microbatch: list[int]):
+    """DDP with a comm hook that counts bucket all-reduces; records how many each micro-batch started."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    calls = [0]
+
+    def hook(state, bucket):
+        calls[0] += 1
+        return allreduce_hook(None, bucket)
+
+    def make_prepare(prepare_model):
+        def prepare(*args):
+            wrapped = prepare_model(*args)
+            wrapped.register_comm_hook(None, hook)
+            return wrapped
+
+        return prepare
+
+    def make_forward_backward(forward_backward):
+        def counted(run, input_ids, loss_scale):
+            before = calls[0]
+            out = forward_backward(run, input_ids, loss_scale)
+            per_microbatch.append(calls[0] - before)
+            return out
+
+        return counted
+
+    stack = contextlib.ExitStack()
+    stack.enter_context(patched(distributed, "prepare_model", make_prepare))
+    stack.enter_context(patched(loop, "forward_backward", make_forward_backward))
+    return stack
+
+
+def record_lr(rates: list[float]):
+    """The learning rate of every applied update, as this rank set it."""
+
+    def make(apply_update):
+        def recorded(run, loss):
+            applied = apply_update(run, loss)
+            rates.append(run.optimizer.param_groups[0]["lr"])
+            return applied
+
+        return recorded
+
+    return patched(loop, "apply_update", make)
+
+
+def ticking(clock: FakeClock, signal_at: int | None = None):
+    """Advance this rank's fake clock by its tick every micro-batch; optionally SIGINT itself at one."""
+    calls = [0]
+
+    def make(forward_backward):
+        def timed(run, input_ids, loss_scale):
+            calls[0] += 1
+            clock.now += clock.tick
+            if calls[0] == signal_at:
+                os.kill(os.getpid(), signal.SIGINT)
+            return forward_backward(run, input_ids, loss_scale)
+
+        return timed
+
+    return patched(loop, "forward_backward", make)
+
+
+def summary(result: loop.TrainResult) -> dict:
+    return {
+        "reason": result.stop_reason,
+        "progress": vars(result.progress),
+        "elapsed": result.elapsed,
+        "run_dir": str(result.run_dir),
+        "checkpoint": str(result.checkpoint) if result.checkpoint else None,
+    }
+
+
+def steps(base: Path, data, *overrides: str) -> dict:
+    """A few updates of 2 accumulated global micro-batches (2 ranks x 8 rows each), a step schedule."""
+    cfg = make_config(
+        base,
+        "budget=1",
+        "train.steps=4",
+        "train.lr_schedule=steps-linear",
+        "train.warmup=0.25",
+        "train.batch_size=32",
+        "train.batch_size_ramp=0",
+        "train.log_every=1",
+        *overrides,
+    )
+    differences: list[float] = []
+    allreduces: list[int] = []
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(watch_parameters(differences))
+        if cfg.impl.distributed == "ddp":
+            stack.enter_context(count_allreduces(allreduces))
+        result = loop.train(cfg, data, run_dir(cfg))
+    return {**summary(result), "differences": differences, "allreduces": allreduces}
+
+
+def budget_then_resume(base: Path, data, prefix: str, mode: str, *overrides: str) -> dict:
+    """A fake-clock budget run in `mode` (rank 1's clock runs 3x slower than rank 0's); then the same run
+    interrupted by SIGINT on rank 1 during its 4th micro-batch and resumed, in the same mode and ("crossed")
+    in the other one."""
+    tick = 60.0 if RANK == 0 else 20.0
+    common = ("budget=0.1", "train.batch_size=32", "train.batch_size_ramp=0", "train.log_every=1", *overrides)
+    clock = FakeClock(tick)
+    cfg = make_config(base, f"name={prefix}-reference", f"impl.distributed={mode}", *common)
+    rates: list[float] = []
+    with ticking(clock), record_lr(rates):
+        reference = loop.train(cfg, data, run_dir(cfg), clock=clock)
+    results = {"reference": {**summary(reference), "lr": rates}}
+    other = next(m for m in distributed.PARALLEL if m != mode)
+    for leg, resume_mode in (("resumed", mode), ("crossed", other)):
+        cfg = make_config(base, f"name={prefix}-{leg}", f"impl.distributed={mode}", *common)
+        with ticking(clock, signal_at=4 if RANK == 1 else None):
+            interrupted = loop.train(cfg, data, run_dir(cfg, "2026-01-01_00-00-00"), clock=clock)
+        clock.now += 10_000.0  # downtime is free
+        cfg = make_config(
+            base, f"name={prefix}-{leg}", "resume=true", f"impl.distributed={resume_mode}", *common
+        )
+        with ticking(clock):
+            resumed = loop.train(cfg, data, run_dir(cfg, "2026-01-01_01-00-00"), clock=clock)
+        results["interrupted" if leg == "resumed" else "crossed_interrupted"] = summary(interrupted)
+        results[leg] = summary(resumed)
+    return results
+
+
+def refused(base: Path, data, *overrides: str) -> str | None:
+    try:
+        loop.train(make_config(base, "budget=1", "train.steps=1", *overrides), data, base / "refused")
+    except ConfigError as err:
+        return str(err)
+    return None
+
+
+def main() -> None:
+    out, scenarios = Path(sys.argv[1]), sys.argv[2:]
+    base = out / "runs"
+    data = synthetic_data(base)
+    # scenario `cuda`: every run on the GPU of its LOCAL_RANK (nccl), uncompiled to keep the test short
+    cuda = ("impl.device=cuda", "impl.compile=false") if "cuda" in scenarios else ()
+    results = {}
+    if "ddp" in scenarios:
+        results["ddp"] = steps(base, data, "name=ddp", *cuda)
+        results["ddp_budget"] = budget_then_resume(base, data, "ddp", "ddp", *cuda)
+    if "optimizers" in scenarios:
+        for name in ("adamw_8bit", "galore_adamw"):
+            overrides = (f"name={name}", f"train/optim={name}", "train.optim.rank=8", "train.steps=2", *cuda)
+            results[name] = steps(base, data, *overrides)
+        results["layerwise_error"] = refused(base, data, "train/optim=adamw_layerwise")
+        results["fsdp2_8bit_error"] = refused(base, data, "train/optim=adamw_8bit", "impl.distributed=fsdp2")
+        results["fsdp2_fp16_error"] = refused(base, data, "impl.precision=fp16", "impl.distributed=fsdp2")
+    if "fsdp2" in scenarios:
+        results["fsdp2"] = steps(base, data, "name=fsdp2", "impl.distributed=fsdp2", *cuda)
+        results["fsdp2_budget"] = budget_then_resume(base, data, "fsdp2", "fsdp2", *cuda)
+    (out / f"rank{RANK}.json").write_text(json.dumps(results, indent=1))
+    distributed.shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,291 @@
+"""Multi-process pretraining (cramming.train.distributed): one torchrun launch of 2 CPU processes (gloo) runs
+the scenarios of tests/distributed_worker.py (DDP, 8-bit AdamW and GaLore under DDP, FSDP2; a step-limited run,
+a fake-clock budget run, an interrupted one resumed in the same mode and in the other); the tests read what
+each rank recorded. One more launch runs pretrain.py itself. The unit tests at the end need no second process.
+
+"Same data" for 2 ranks x micro-batch b and 1 rank x 2b holds by construction: rank r trains on slice r of
+the global micro-batch of 2b stream rows, and masks it with the random draws one process would use for
+those rows (every rank draws for the global micro-batch and keeps its slice). So the two runs see the same
+rows with the same masks, and the mean of the ranks' mean losses is the one process's mean loss (count
+masking: every row has the same number of masked tokens). What remains is float rounding.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from test_train import make_config, read_metrics, run_dir, synthetic_data
+
+from cramming.errors import ConfigError
+from cramming.train import checkpoint, distributed, loop
+from cramming.train.batches import RowStream
+from cramming.train.mlm import MLMMasker
+
+REPO = Path(__file__).resolve().parent.parent
+WORKER = Path(__file__).resolve().parent / "distributed_worker.py"
+MODES = ("ddp", "fsdp2")
+
+
+def torchrun(out: Path, *scenarios: str) -> list[dict]:
+    """`torchrun --nproc_per_node=2` of the worker's scenarios; returns each rank's record."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [*command, str(WORKER), str(out), *scenarios],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(2)]
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory) -> tuple[Path, list[dict]]:
+    """One launch of every scenario on the CPU; the output folder and each rank's record."""
+    out = tmp_path_factory.mktemp("torchrun")
+    return out, torchrun(out, "ddp", "optimizers", "fsdp2")
+
+
+def losses(path: str | Path) -> list[float]:
+    return [r["loss"] for r in read_metrics(Path(path)) if "loss" in r]
+
+
+def final_weights(path: str | Path) -> dict[str, torch.Tensor]:
+    return checkpoint.load_pretrained(path).model.state_dict()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scenario", ["ddp", "adamw_8bit", "galore_adamw", "fsdp2"])
+def test_parameters_identical_across_ranks_after_every_update(launched, scenario):
+    _, ranks = launched
+    for record in ranks:
+        run = record[scenario]
+        assert run["reason"] == "steps"
+        # the largest |parameter - rank 0's parameter| after each update
+        assert run["differences"] == [0.0] * run["progress"]["updates"], (scenario, run["differences"])
+
+
+@pytest.mark.slow
+def test_gradients_are_reduced_once_per_update(launched):
+    _, ranks = launched
+    for record in ranks:
+        run = record["ddp"]
+        # 32 sequences per update = 2 global micro-batches of 2 x 8: no all-reduce on the first of each
+        assert run["progress"] == {**run["progress"], "updates": 4, "microbatches": 8, "rows": 128}
+        assert run["allreduces"] == [0, 1] * 4
+
+
+@pytest.mark.slow
+def test_two_ranks_match_one_rank_with_twice_the_microbatch(launched, tmp_path):
+    _, ranks = launched
+    cfg = make_config(
+        tmp_path,
+        "name=single",
+        "budget=1",
+        "train.steps=4",
+        "train.lr_schedule=steps-linear",
+        "train.warmup=0.25",
+        "train.batch_size=32",
+        "train.batch_size_ramp=0",
+        "train.log_every=1",
+        "impl.microbatch_size=16",
+    )
+    single = loop.train(cfg, synthetic_data(tmp_path), run_dir(cfg))
+    expected, weights = losses(single.run_dir), final_weights(single.checkpoint)
+    for mode in MODES:
+        run = ranks[0][mode]
+        torch.testing.assert_close(losses(run["run_dir"]), expected, rtol=1e-5, atol=0, msg=mode)
+        theirs = final_weights(run["checkpoint"])
+        for key, value in weights.items():
+            torch.testing.assert_close(theirs[key], value, rtol=1e-5, atol=1e-6, msg=f"{mode}: {key}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", MODES)
+def test_budget_stops_every_rank_after_the_same_microbatch(launched, mode):
+    _, ranks = launched
+    # budget 360 s. Rank 0's fake clock: 60 s a micro-batch, past the budget at the 7th. Rank 1's own clock
+    # (20 s each) would run to the 19th: rank 0's decides for both.
+    for record in ranks:
+        run = record[f"{mode}_budget"]["reference"]
+        assert run["reason"] == "budget"
+        assert (run["progress"]["microbatches"], run["progress"]["updates"]) == (7, 3)  # the 4th cut short
+        assert run["elapsed"] == pytest.approx(420.0)
+    # both ranks' schedules read rank 0's budget fraction, 1/3, 2/3 and 1 at the three updates (triangle2,
+    # peak 1e-3 at 75%); rank 1's own clock would have said 1/9, 2/9, 1/3
+    for record in ranks:
+        assert record[f"{mode}_budget"]["reference"]["lr"] == pytest.approx(
+            [1e-3 * 7 / 12, 1e-3 * 11 / 12, 0.0]
+        )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", MODES)
+def test_save_and_resume_with_two_ranks_gives_the_same_next_step(launched, mode):
+    _, ranks = launched
+    for record in ranks:
+        runs = record[f"{mode}_budget"]
+        # SIGINT reached rank 1 alone, during its 4th micro-batch: both ranks stopped after it
+        interrupted = runs["interrupted"]
+        assert interrupted["reason"] == "SIGINT" and interrupted["checkpoint"] is None
+        assert (interrupted["progress"]["microbatches"], interrupted["progress"]["updates"]) == (4, 2)
+        assert interrupted["elapsed"] == pytest.approx(240.0)
+        assert runs["resumed"]["progress"] == runs["reference"]["progress"]
+        assert runs["resumed"]["elapsed"] == pytest.approx(420.0)
+    runs = ranks[0][f"{mode}_budget"]
+    reference = read_metrics(Path(runs["reference"]["run_dir"]))
+    resumed = read_metrics(Path(runs["resumed"]["run_dir"]))
+    assert resumed[0]["update"] == 3 and resumed[0]["loss"] == reference[2]["loss"]
+    ours, theirs = (
+        final_weights(runs["resumed"]["checkpoint"]),
+        final_weights(runs["reference"]["checkpoint"]),
+    )
+    for key, value in theirs.items():
+        torch.testing.assert_close(ours[key], value, rtol=0, atol=0, msg=key)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", MODES)
+def test_a_state_saved_in_one_mode_resumes_in_the_other(launched, mode):
+    # one state format: plain keys, whole tensors, optimizer state by index (FSDP2's gathered and converted)
+    _, ranks = launched
+    runs = ranks[0][f"{mode}_budget"]
+    assert runs["crossed_interrupted"]["progress"]["updates"] == 2
+    assert runs["crossed"]["progress"] == runs["reference"]["progress"]
+    ours, theirs = (
+        final_weights(runs["crossed"]["checkpoint"]),
+        final_weights(runs["reference"]["checkpoint"]),
+    )
+    for key, value in theirs.items():  # DDP's all-reduce and FSDP2's reduce-scatter round differently
+        torch.testing.assert_close(ours[key], value, rtol=1e-5, atol=1e-6, msg=key)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", MODES)
+def test_rank_zero_writes_plain_checkpoints_and_one_metrics_record_per_update(launched, mode):
+    _, ranks = launched
+    run = ranks[0][mode]
+    assert ranks[1][mode]["checkpoint"] == run["checkpoint"]
+    with safe_open(str(Path(run["checkpoint"]) / checkpoint.WEIGHTS), "pt") as f:
+        keys = list(f.keys())
+    assert keys and not any(k.startswith(("module.", "_orig_mod.")) or "._fsdp" in k for k in keys), keys
+    state = checkpoint.load_state(Path(run["run_dir"]) / checkpoint.STATE)
+    assert set(state["model"]) == set(final_weights(run["checkpoint"]))
+    assert state["model"]["encoder.embeddings.position.scale"].shape == ()  # not FSDP2's 1-element copy
+    assert all(isinstance(index, int) for index in state["optimizer"]["state"])  # one format for all modes
+    records = [r["update"] for r in read_metrics(Path(run["run_dir"])) if "loss" in r]
+    assert records == [1, 2, 3, 4]
+
+
+@pytest.mark.slow
+def test_layerwise_and_unshardable_optimizers_are_refused(launched):
+    _, ranks = launched
+    for record in ranks:
+        assert "without `_layerwise`" in record["layerwise_error"]
+        assert "impl.distributed=fsdp2" in record["fsdp2_8bit_error"]
+        assert "use impl.distributed=ddp" in record["fsdp2_8bit_error"]
+        assert "impl.precision=bf16" in record["fsdp2_fp16_error"]
+
+
+@pytest.mark.slow
+def test_torchrun_pretrain_py(tmp_path):
+    # the real entry point: Hydra, preprocessing on local rank 0 first, rank 0's run folder for both ranks
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    overrides = ["data=embedded", "arch=tiny", "budget=0.003", "name=pair", f"base_dir={tmp_path}"]
+    overrides += ["impl.device=cpu", "impl.num_workers=0", "impl.microbatch_size=8", "train.batch_size=32"]
+    done = subprocess.run(
+        [*command, str(REPO / "pretrain.py"), *overrides, "train.log_every=5"],
+        cwd=REPO,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "HYDRA_FULL_ERROR": "1"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    (run,) = [p for p in (tmp_path / "pair").iterdir() if (p / checkpoint.STATE).is_file()]
+    assert (run / checkpoint.CHECKPOINT_DIR / checkpoint.WEIGHTS).is_file()
+    updates = [r["update"] for r in read_metrics(run) if "loss" in r]
+    assert updates and updates == sorted(set(updates))  # one writer
+    assert read_metrics(run)[0]["batch_size"] == 16  # the ramp starts at one global micro-batch: 2 x 8
+    assert "torchrun: 2 processes, ddp over gloo" in done.stdout + done.stderr
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices (nccl)")
+def test_two_gpus_stay_in_step_and_stop_together(tmp_path):
+    # CUDA kernels are not bitwise deterministic (embedding backward): no exact resume comparison here.
+    # GaLore: the ranks' SVDs of the same all-reduced gradient must agree, or the replicas drift apart
+    for record in torchrun(tmp_path, "cuda", "ddp", "optimizers", "fsdp2"):
+        for scenario in (*MODES, "adamw_8bit", "galore_adamw"):
+            run = record[scenario]
+            assert run["differences"] == [0.0] * run["progress"]["updates"], (scenario, run["differences"])
+        for mode in MODES:
+            runs = record[f"{mode}_budget"]
+            assert runs["reference"]["progress"]["microbatches"] == 7
+            assert runs["interrupted"]["reason"] == "SIGINT"
+            assert runs["resumed"]["progress"] == runs["reference"]["progress"]
+
+
+# ------------------------------------------------------------------------------------ without torchrun
+
+
+def test_single_process_makes_no_process_group(tmp_path, monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    ranks = distributed.init_from_env(make_config(tmp_path).impl)
+    assert not ranks.active and ranks.is_main and not torch.distributed.is_initialized()
+    model = torch.nn.Linear(2, 2)
+    assert distributed.prepare_model(model, ranks, "adamw_layerwise", torch.float16) is model
+
+
+def test_shards_partition_each_global_microbatch(tmp_path):
+    rows = synthetic_data(tmp_path, rows=40).train
+    for start in (0, 24):  # 24: a resumed stream, whose rows cross into the second (permuted) epoch
+        whole = RowStream(rows, microbatch_size=12, seed=3, start=start)
+        shards = [RowStream(rows, 4, seed=3, start=start, rank=r, world_size=3) for r in range(3)]
+        for i in range(4):
+            torch.testing.assert_close(torch.cat([s[i] for s in shards]), whole[i], rtol=0, atol=0)
+
+
+def test_masks_do_not_depend_on_the_rank(tmp_path):
+    data = synthetic_data(tmp_path)
+    masker = MLMMasker(make_config(tmp_path).train.mlm, data.vocab_size, data.special.all, data.special.mask)
+    rows = RowStream(data.train, 12, seed=0)[0]
+    expected = masker(rows, torch.Generator().manual_seed(5))
+    for rank in range(3):
+        ranks = distributed.Ranks(rank=rank, world_size=3)
+        got = distributed.mask_local_rows(
+            masker, rows[4 * rank : 4 * (rank + 1)], torch.Generator().manual_seed(5), ranks
+        )
+        for ours, theirs in zip(got, expected, strict=True):
+            torch.testing.assert_close(ours, theirs[4 * rank : 4 * (rank + 1)], rtol=0, atol=0)
+
+
+def test_optimizer_state_by_name_and_back(tmp_path):
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    optimizer = torch.optim.AdamW(
+        [{"params": [model[1].weight]}, {"params": [model[0].weight, model[0].bias]}]
+    )
+    model(torch.randn(5, 3)).sum().backward()
+    optimizer.step()
+    names = distributed._param_names(model, optimizer)
+    assert names == ["1.weight", "0.weight", "0.bias"]
+    state = optimizer.state_dict()
+    named = distributed._by_name(state, names)
+    assert named["param_groups"][1]["params"] == ["0.weight", "0.bias"]
+    back = distributed._by_index(named, names)
+    assert back["param_groups"] == state["param_groups"] and back["state"].keys() == state["state"].keys()
+
+
+def test_impl_distributed_is_checked(tmp_path):
+    with pytest.raises(ConfigError, match="impl.distributed"):
+        make_config(tmp_path, "impl.distributed=deepspeed")
