@@ -94,8 +94,11 @@ def lean_param_groups(model: nn.Module, cfg: OptimConfig, *, galore: bool, bits:
 def _adamw(
     model: nn.Module, cfg: OptimConfig, *, kernel: str, max_grad_norm: float | None
 ) -> torch.optim.Optimizer:
+    # fused (one kernel for every tensor) when all parameters are plain CUDA tensors: the same update up to
+    # rounding; sharded (DTensor) parameters and the CPU keep torch's default
+    fused = all(p.is_cuda and type(p.data) is torch.Tensor for p in model.parameters()) or None
     return torch.optim.AdamW(
-        param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps
+        param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, fused=fused
     )
 
 
