@@ -1,0 +1,370 @@
+"""Result reports: the runs of folders (multiruns, or any trees of run folders) as tables and plots.
+
+    python scripts/report.py outputs/cpu-tiny/multirun_2026-11-29_18-38-40 [more folders] [--out results/x]
+
+writes into --out (default: the first folder)
+    report.md      one table row per run (pretraining and GLUE runs apart), the plots below
+    runs.csv       the same rows, all runs in one file
+    loss.png       MLM loss against elapsed time, every pretraining run on one chart
+    schedule.png   learning rate and batch size against the budget fraction
+    throughput.png tokens per second over time
+    glue.png       GLUE scores per task, one bar per run (e.g. per optimizer), grouped by task
+    anytime.png    downstream scores at fractions of the pretraining budget (runs with anytime evaluation)
+
+A run is a folder with a run_card.json (see cramming.runcard); folders with only a metrics.jsonl (runs from
+before run cards) are read too, as far as their files allow. Runs are labelled by the Hydra overrides that
+differ between them, so a sweep's rows and lines are named by what the sweep changed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import json
+import logging
+import os
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import matplotlib
+from omegaconf import OmegaConf
+
+matplotlib.use("Agg")  # files only: no display needed
+import matplotlib.pyplot as plt  # noqa: E402
+
+from cramming.runcard import RUN_CARD, read_metrics  # noqa: E402
+
+log = logging.getLogger("cramming")
+
+PLOTS = {
+    "loss": "MLM loss against elapsed time",
+    "schedule": "Learning rate and batch size against the budget fraction",
+    "throughput": "Tokens per second over time",
+    "glue": "GLUE scores per task",
+    "anytime": "Downstream scores during pretraining (anytime evaluation)",
+}
+
+
+@dataclass
+class RunRecord:
+    """One run folder: its card, its metrics records, and the label the report gives it."""
+
+    path: Path
+    name: str  # the folder relative to the report's folder
+    card: dict
+    metrics: list[dict] = field(default_factory=list)
+    label: str = ""
+
+    @property
+    def kind(self) -> str:
+        return self.card.get("kind", "pretrain")
+
+    @property
+    def ok(self) -> bool:
+        return self.card.get("status") == "ok"
+
+
+# ------------------------------------------------------------------------------------------- collecting
+
+
+def collect_runs(*folders: str | Path) -> list[RunRecord]:
+    """Every run folder under `folders` (themselves included), sorted by name, labelled by their differences.
+
+    Runs are named by their path relative to the folder that holds them all.
+    """
+    folders = [Path(f).resolve() for f in folders]
+    found = {p.parent for f in folders for name in (RUN_CARD, "metrics.jsonl") for p in f.rglob(name)}
+    root = Path(os.path.commonpath(folders)) if len(folders) > 1 else folders[0]
+    runs = []
+    for path in sorted(found, key=_natural):
+        card = _read_card(path)
+        name = str(path.relative_to(root)) if path != root else path.name
+        runs.append(RunRecord(path, name, card, read_metrics(path)))
+    label_runs(runs)
+    return runs
+
+
+def _natural(path: Path) -> list:
+    """Sort multirun jobs 0, 1, ..., 10 in numeric order."""
+    return [int(part) if part.isdigit() else part for part in path.parts]
+
+
+def _read_card(path: Path) -> dict:
+    if (path / RUN_CARD).exists():
+        return json.loads((path / RUN_CARD).read_text())
+    # a run from before run cards: what its folder tells
+    hydra_dir = path / ".hydra"
+    card = {"kind": "pretrain", "status": "unknown", "job": {}, "config": {}, "metrics": {}}
+    if (hydra_dir / "overrides.yaml").exists():
+        card["job"]["overrides"] = OmegaConf.to_container(OmegaConf.load(hydra_dir / "overrides.yaml"))
+    if (hydra_dir / "config.yaml").exists():
+        card["config"] = OmegaConf.to_container(OmegaConf.load(hydra_dir / "config.yaml"))
+    return card
+
+
+def label_runs(runs: list[RunRecord]) -> None:
+    """Label each run by the overrides that not all runs of its kind share (`budget=0.1 train/optim=adamw`)."""
+    for kind in {run.kind for run in runs}:
+        same_kind = [run for run in runs if run.kind == kind]
+        shared = set.intersection(*(set(run.card.get("job", {}).get("overrides", [])) for run in same_kind))
+        for run in same_kind:
+            own = [o for o in run.card.get("job", {}).get("overrides", []) if o not in shared]
+            run.label = " ".join(own) or run.name
+            if run.card.get("status") not in ("ok", "unknown"):
+                run.label += f" [{run.card.get('status')}]"
+
+
+# ----------------------------------------------------------------------------------------------- tables
+
+
+def pretrain_row(run: RunRecord) -> dict:
+    card, m = run.card, run.card.get("metrics", {})
+    config, seconds = card.get("config", {}), card.get("seconds", {})
+    losses = [r for r in run.metrics if "loss" in r]
+    validation = next((r for r in reversed(run.metrics) if "val_loss" in r), {})
+    anytime = m.get("anytime") or [r for r in run.metrics if "anytime_fraction" in r]
+    git = card.get("git") or {}
+    return {
+        "run": run.name,
+        "status": card.get("status"),
+        "label": run.label,
+        "arch": config.get("arch", {}).get("name"),
+        "optimizer": config.get("train", {}).get("optim", {}).get("name"),
+        "budget_h": config.get("budget"),
+        "updates": m.get("updates", losses[-1]["update"] if losses else None),
+        "tokens_M": _round(m["tokens"] / 1e6, 2) if m.get("tokens") else None,
+        "loss": _round(m.get("loss", losses[-1]["loss"] if losses else None), 4),
+        "val_loss": _round(m.get("val_loss", validation.get("val_loss")), 4),
+        "val_mlm_acc": _round(m.get("val_mlm_acc", validation.get("val_mlm_acc")), 4),
+        "tok_per_s": _round(m.get("tok_per_s", _median(r["tok_per_s"] for r in losses)), 0),
+        "anytime_last": _round(anytime[-1].get("anytime_average"), 4) if anytime else None,
+        **{
+            f"{part}_s": _round(seconds.get(part), 1)
+            for part in ("data", "setup", "compile", "train", "eval")
+        },
+        "total_s": _round(seconds.get("total"), 1),
+        "commit": (git.get("commit") or "")[:10] + ("+dirty" if git.get("dirty") else ""),
+        "error": (card.get("error") or "").splitlines()[0] if card.get("error") else "",
+    }
+
+
+def eval_row(run: RunRecord) -> dict:
+    card, m = run.card, run.card.get("metrics", {})
+    git = card.get("git") or {}
+    return {
+        "run": run.name,
+        "status": card.get("status"),
+        "label": run.label,
+        "checkpoint": _short(
+            card.get("data", {}).get("checkpoint") or card.get("config", {}).get("checkpoint")
+        ),
+        "optimizer": m.get("optimizer") or card.get("config", {}).get("eval", {}).get("optim"),
+        **{task: _round(score, 4) for task, score in m.get("scores", {}).items()},
+        "glue_average": _round(m.get("glue_average"), 4),
+        "eval_s": _round(card.get("seconds", {}).get("eval"), 1),
+        "commit": (git.get("commit") or "")[:10] + ("+dirty" if git.get("dirty") else ""),
+        "error": (card.get("error") or "").splitlines()[0] if card.get("error") else "",
+    }
+
+
+def _short(path: str | None) -> str | None:
+    """A path under the working directory, relative to it."""
+    if path is None or not Path(path).is_absolute() or not Path(path).is_relative_to(Path.cwd()):
+        return path
+    return str(Path(path).relative_to(Path.cwd()))
+
+
+def _median(values) -> float | None:
+    values = list(values)
+    return statistics.median(values) if values else None
+
+
+def _round(value, digits: int):
+    return None if value is None else round(float(value), digits)
+
+
+def columns_of(rows: list[dict]) -> list[str]:
+    """The union of the rows' keys, in first-seen order."""
+    return list(dict.fromkeys(key for row in rows for key in row))
+
+
+def markdown_table(rows: list[dict]) -> str:
+    columns = columns_of(rows)
+
+    def cell(value) -> str:
+        return "" if value is None else str(value).replace("|", "\\|")
+
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(cell(row.get(c)) for c in columns) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+def csv_text(rows: list[dict]) -> str:
+    out = io.StringIO()
+    writer = csv.DictWriter(out, fieldnames=columns_of(rows), lineterminator="\n")
+    writer.writeheader()
+    writer.writerows(rows)
+    return out.getvalue()
+
+
+# ------------------------------------------------------------------------------------------------ plots
+
+
+def _series(run: RunRecord, x: str, y: str) -> tuple[list[float], list[float]]:
+    records = [r for r in run.metrics if x in r and y in r]
+    return [r[x] for r in records], [r[y] for r in records]
+
+
+def _time_axis(runs: list[RunRecord]) -> tuple[float, str]:
+    """Minutes for short runs, hours for long ones."""
+    longest = max((r["elapsed_h"] for run in runs for r in run.metrics if "elapsed_h" in r), default=0.0)
+    return (60.0, "elapsed time (minutes)") if longest < 2 else (1.0, "elapsed time (hours)")
+
+
+def plot_loss(runs: list[RunRecord], path: Path) -> None:
+    scale, xlabel = _time_axis(runs)
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for run in runs:
+        x, y = _series(run, "elapsed_h", "loss")
+        ax.plot([v * scale for v in x], y, label=run.label, linewidth=1.2)
+    ax.set(xlabel=xlabel, ylabel="MLM loss (training, per log window)", title=PLOTS["loss"])
+    _finish(fig, ax, path)
+
+
+def plot_schedule(runs: list[RunRecord], path: Path) -> None:
+    fig, (lr_ax, bs_ax) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for run in runs:
+        lr_ax.plot(*_series(run, "budget_fraction", "lr"), label=run.label, linewidth=1.2)
+        bs_ax.plot(*_series(run, "budget_fraction", "batch_size"), label=run.label, linewidth=1.2)
+    lr_ax.set(xlabel="budget fraction", ylabel="learning rate", title="Learning rate")
+    bs_ax.set(xlabel="budget fraction", ylabel="sequences per update", title="Batch size")
+    lr_ax.grid(alpha=0.3)
+    _finish(fig, bs_ax, path)
+
+
+def plot_throughput(runs: list[RunRecord], path: Path) -> None:
+    scale, xlabel = _time_axis(runs)
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for run in runs:
+        x, y = _series(run, "elapsed_h", "tok_per_s")
+        ax.plot([v * scale for v in x], y, label=run.label, linewidth=1.2)
+    ax.set(xlabel=xlabel, ylabel="tokens per second", title=PLOTS["throughput"])
+    ax.set_ylim(bottom=0)
+    _finish(fig, ax, path)
+
+
+def plot_glue(runs: list[RunRecord], path: Path) -> None:
+    """Grouped bars: one group per task, one bar per run (labelled by what differs, e.g. the optimizer)."""
+    tasks = list(dict.fromkeys(t for run in runs for t in run.card["metrics"].get("scores", {})))
+    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(tasks) * max(1, len(runs)) / 2), 4.5))
+    width = 0.8 / len(runs)
+    for i, run in enumerate(runs):
+        scores = run.card["metrics"].get("scores", {})
+        xs = [t + (i - (len(runs) - 1) / 2) * width for t in range(len(tasks))]
+        values = [100 * scores.get(task, float("nan")) for task in tasks]
+        bars = ax.bar(xs, values, width, label=run.label)
+        ax.bar_label(bars, fmt="%.1f", fontsize=7, padding=1)
+    ax.set_xticks(range(len(tasks)), tasks)
+    ax.set(ylabel="score (median over seeds, %)", title=PLOTS["glue"])
+    _finish(fig, ax, path)
+
+
+def plot_anytime(runs: list[RunRecord], path: Path) -> None:
+    """One panel per task: its score against the budget fraction, one line per run."""
+    records = {run.label: [r for r in run.metrics if "anytime_fraction" in r] for run in runs}
+    tasks = list(dict.fromkeys(task for rs in records.values() for r in rs for task in r["anytime"]))
+    fig, axes = plt.subplots(1, len(tasks), figsize=(5.5 * len(tasks), 4.5), squeeze=False)
+    for ax, task in zip(axes[0], tasks, strict=True):
+        for label, rs in records.items():
+            done = [r for r in rs if task in r["anytime"]]
+            x, y = [r["anytime_fraction"] for r in done], [100 * r["anytime"][task] for r in done]
+            ax.plot(x, y, marker="o", label=label, linewidth=1.2)
+        ax.set(xlabel="budget fraction", ylabel="score (%)", title=task)
+        ax.grid(alpha=0.3)
+    fig.suptitle(PLOTS["anytime"])
+    _finish(fig, axes[0][-1], path)
+
+
+def _finish(fig, ax, path: Path) -> None:
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="best")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# ----------------------------------------------------------------------------------------------- report
+
+
+def build_report(folders: str | Path | list[str | Path], out: str | Path | None = None) -> Path:
+    """Write report.md, runs.csv and the plots for the runs under `folders` into `out` (default: the first
+    folder); returns report.md."""
+    folders = [Path(f) for f in (folders if isinstance(folders, list) else [folders])]
+    out = Path(out) if out is not None else folders[0]
+    out.mkdir(parents=True, exist_ok=True)
+    runs = collect_runs(*folders)
+    if not runs:
+        raise FileNotFoundError(f"no run folders (with {RUN_CARD} or metrics.jsonl) under {folders}")
+    pretraining = [r for r in runs if r.kind == "pretrain"]
+    evaluation = [r for r in runs if r.kind == "eval"]
+    pretrain_rows = [pretrain_row(r) for r in pretraining]
+    eval_rows = [eval_row(r) for r in evaluation]
+    (out / "runs.csv").write_text(
+        csv_text(
+            [{"kind": "pretrain"} | r for r in pretrain_rows] + [{"kind": "eval"} | r for r in eval_rows]
+        )
+    )
+
+    with_curves = [r for r in pretraining if any("loss" in m for m in r.metrics)]
+    plots = {
+        "loss": (plot_loss, with_curves),
+        "schedule": (plot_schedule, with_curves),
+        "throughput": (plot_throughput, with_curves),
+        "glue": (plot_glue, [r for r in evaluation if r.ok and r.card["metrics"].get("scores")]),
+        "anytime": (
+            plot_anytime,
+            [r for r in pretraining if any("anytime_fraction" in m for m in r.metrics)],
+        ),
+    }
+    drawn = []
+    for name, (draw, selected) in plots.items():
+        if selected:
+            draw(selected, out / f"{name}.png")
+            drawn.append(name)
+
+    failed = [r for r in runs if r.card.get("status") not in ("ok", "unknown")]
+    lines = [f"# Report: {', '.join(map(str, folders))}", ""]
+    lines.append(f"{len(runs)} runs: {len(pretraining)} pretraining, {len(evaluation)} GLUE evaluation")
+    lines.append(f"({len(failed)} not ok: {', '.join(r.name for r in failed)})." if failed else "(all ok).")
+    if pretrain_rows:
+        lines += ["", "## Pretraining", "", markdown_table(pretrain_rows)]
+        lines.append(
+            "`loss`: training MLM loss of the last log window; `val_*`: the held-out split at the end;"
+            " `tok_per_s`: median over log windows. Seconds: `data` preprocessing or cache lookup (not"
+            " on the budget), `setup` model and optimizer, `compile` the first update's time beyond a"
+            " steady one, `train` the updates, `eval` anytime evaluations, final validation and saving."
+        )
+    if eval_rows:
+        lines += ["", "## GLUE", "", markdown_table(eval_rows)]
+        lines.append("Scores are medians over fine-tuning seeds, in [0, 1].")
+    lines += ["", "## Plots", ""]
+    for name in drawn:
+        lines += [f"### {PLOTS[name]}", "", f"![{PLOTS[name]}]({name}.png)", ""]
+    skipped = [PLOTS[name].lower() for name in plots if name not in drawn]
+    if skipped:
+        lines.append(f"No data in these runs for: {'; '.join(skipped)}.")
+    report = out / "report.md"
+    report.write_text("\n".join(lines).rstrip() + "\n")
+    log.info("report of %d runs written to %s", len(runs), report)
+    return report
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("folders", nargs="+", help="multirun folders, run folders, or any folders of runs")
+    parser.add_argument("--out", help="where to write the report (default: the first folder)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    print(build_report(args.folders, args.out))

@@ -1,0 +1,356 @@
+"""Run cards: one `run_card.json` per run, written by pretrain.py and eval.py however the run ends.
+
+A card says what ran (the resolved config and the command line that replays it), from which code (git
+commit and whether the tree was dirty, package versions), on what (CPU model, GPU name), on which data (the
+processed-data cache key and the tokenizer's SHA-256), how long each part took and what came out. It is
+written with status `running` when the job starts and rewritten with `ok`, `failed` (and the error) or
+`interrupted` when it ends, so a job killed outright still leaves a card behind.
+
+`run_job` is how an entry point runs its work inside a card. In a multirun a failed job is recorded and
+the sweep goes on to the next job (`cramming.sweeps.SweepSummary` exits non-zero at the end); a single run
+that fails still exits non-zero.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import json
+import logging
+import os
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from importlib import metadata
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from omegaconf import DictConfig, OmegaConf
+
+from cramming.utils import atomic_write_text
+
+if TYPE_CHECKING:
+    from cramming.train.loop import TrainResult
+
+log = logging.getLogger("cramming")
+
+RUN_CARD = "run_card.json"
+CARD_VERSION = 1
+REPO = Path(__file__).resolve().parent.parent
+# the distributions whose versions decide what a run computes or how fast
+PACKAGES = (
+    "torch",
+    "triton",
+    "numpy",
+    "hydra-core",
+    "omegaconf",
+    "datasets",
+    "tokenizers",
+    "safetensors",
+    "evaluate",
+    "transformers",
+)
+
+
+class JobFailed(Exception):
+    """A run failed for a reason its message explains (a bad config, missing data, a diverged loss).
+
+    exit_code is the exit status of a single run; in a multirun the card records the failure instead.
+    """
+
+    def __init__(self, error: BaseException | str, exit_code: int = 1):
+        super().__init__(str(error))
+        self.exit_code = exit_code
+
+
+@dataclass
+class RunCard:
+    """What one run records about itself; `write()` puts it into {run_dir}/run_card.json."""
+
+    run_dir: Path
+    kind: str  # pretrain | eval
+    config: dict
+    job: dict = field(default_factory=dict)
+    status: str = "running"  # running | ok | failed | interrupted
+    error: str | None = None
+    started: str = field(default_factory=lambda: _now())
+    finished: str | None = None
+    data: dict = field(default_factory=dict)
+    seconds: dict[str, float | None] = field(default_factory=dict)
+    metrics: dict = field(default_factory=dict)
+    _start: float = field(default_factory=time.perf_counter, repr=False)
+
+    @contextmanager
+    def timed(self, part: str) -> Iterator[None]:
+        """Add the wall time of the block to seconds[part]."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[part] = (self.seconds.get(part) or 0.0) + time.perf_counter() - start
+
+    def to_dict(self) -> dict:
+        return {
+            "card_version": CARD_VERSION,
+            "kind": self.kind,
+            "status": self.status,
+            "error": self.error,
+            "run_dir": str(self.run_dir),
+            "job": self.job,
+            "started": self.started,
+            "finished": self.finished,
+            "seed": self.config.get("seed"),
+            "config": self.config,
+            "git": git_state(),
+            "python": platform.python_version(),
+            "packages": package_versions(),
+            "device": device_description(self.config.get("impl", {}).get("device", "auto")),
+            "data": self.data,
+            "seconds": self.seconds,
+            "metrics": self.metrics,
+        }
+
+    def write(self) -> None:
+        if int(os.environ.get("RANK", "0")) != 0:  # one card per run, from the first process
+            return
+        atomic_write_text(self.run_dir / RUN_CARD, json.dumps(self.to_dict(), indent=2, default=str) + "\n")
+
+    def end(self, status: str, error: str | None = None) -> None:
+        if self.status == "running":  # a status set on the way (interrupted) stands
+            self.status = status
+        self.error = error if error is not None else self.error
+        self.finished = _now()
+        self.seconds["total"] = time.perf_counter() - self._start
+        self.write()
+
+    # ------------------------------------------------------------------------------- what runs record
+
+    def record_pretraining_data(self, path: Path, stats: dict, vocab_size: int) -> None:
+        self.data |= {
+            "path": str(path),
+            "cache_key": stats.get("cache_key", path.name),
+            "tokenizer_sha256": stats.get("tokenizer_sha256") or file_sha256(path / "tokenizer.json"),
+            "vocab_size": vocab_size,
+            "train_rows": stats.get("train_rows"),
+            "seq_length": stats.get("seq_length"),
+        }
+
+    def record_pretraining(self, result: TrainResult) -> None:
+        """Final metrics and the time split of a TrainResult, read with the run's metrics.jsonl."""
+        records = read_metrics(self.run_dir)
+        losses = [r for r in records if "loss" in r]
+        validation = result.validation or {}
+        anytime = [r for r in records if "anytime_fraction" in r]
+        self.metrics |= {
+            "stop_reason": result.stop_reason,
+            "updates": result.progress.updates,
+            "budget_hours_spent": result.elapsed / 3600,
+            "tokens": result.progress.rows * self.data.get("seq_length", 0),
+            "loss": losses[-1]["loss"] if losses else None,
+            "mlm_acc": losses[-1]["mlm_acc"] if losses else None,
+            "val_loss": validation.get("loss"),
+            "val_mlm_acc": validation.get("mlm_acc"),
+            "tok_per_s": statistics.median(r["tok_per_s"] for r in losses) if losses else None,
+            "anytime": [{k: v for k, v in r.items() if k != "update"} for r in anytime],
+        }
+        self.seconds |= split_training_time(
+            losses, anytime, wall=self.seconds.pop("train", 0.0), budget_spent=result.elapsed
+        )
+        if result.checkpoint is None:
+            self.status = "interrupted"
+            self.error = f"stopped by {result.stop_reason}; resumable state in {self.run_dir}"
+
+    def record_glue(self, checkpoint: Path, report: dict) -> None:
+        """The checkpoint evaluated (and what made it) and the scores of run_glue's report."""
+        pretraining_card = checkpoint.parent / RUN_CARD
+        self.data |= {
+            "checkpoint": str(checkpoint),
+            "tokenizer_sha256": file_sha256(checkpoint / "tokenizer.json"),
+            "pretraining_run_card": str(pretraining_card) if pretraining_card.exists() else None,
+            "pretraining": report.get("pretraining", {}),
+        }
+        self.metrics |= {
+            "optimizer": report["optimizer"],
+            "glue_average": report["glue_average"],
+            "scores": {entry: score["median"] for entry, score in report["scores"].items()},
+            "skipped_no_data": report["skipped_no_data"],
+            "not_run_budget": report["not_run_budget"],
+        }
+        self.seconds["eval"] = report["seconds"]
+
+
+# ------------------------------------------------------------------------------------------- running a job
+
+
+def run_job(task: Callable[[DictConfig, RunCard], None], cfg: DictConfig, kind: str) -> None:
+    """Run one Hydra job's `task(cfg, card)` inside its run card, written however the job ends.
+
+    JobFailed: logged; a single run exits with its exit_code, a multirun job is recorded as failed and the
+    sweep goes on. Any other exception: a single run raises it (traceback, non-zero exit); a multirun job
+    logs it and is recorded as failed. SystemExit and KeyboardInterrupt (an interrupted run) always end
+    the process: a stopped sweep stops.
+    """
+    card = card_for_hydra_job(kind, cfg)
+    card.write()
+    multirun = card.job.get("multirun", False)
+    try:
+        task(cfg, card)
+    except JobFailed as err:
+        log.error("%s", err)
+        card.end("failed", str(err))
+        if not multirun:
+            sys.exit(err.exit_code)
+        log.error("job %s failed; the sweep goes on", card.job.get("num"))
+    except Exception as err:
+        card.end("failed", f"{type(err).__name__}: {err}\n{traceback.format_exc(limit=-8)}")
+        if not multirun:
+            raise
+        log.exception("job %s failed; the sweep goes on", card.job.get("num"))
+    except BaseException:
+        card.end("interrupted")
+        raise
+    else:
+        card.end("ok")
+        log.info("run card: %s", card.run_dir / RUN_CARD)
+
+
+def card_for_hydra_job(kind: str, cfg: DictConfig) -> RunCard:
+    """A card for the current Hydra job: its folder, its resolved config and how to replay it."""
+    hydra = HydraConfig.get()
+    overrides = list(hydra.overrides.task)
+    script = Path(sys.argv[0]).name if sys.argv and sys.argv[0] else f"{kind}.py"
+    multirun = hydra.mode == RunMode.MULTIRUN
+    job = {
+        "multirun": multirun,
+        "num": hydra.job.num if multirun else None,
+        "sweep_dir": hydra.sweep.dir if multirun else None,
+        "overrides": overrides,
+        "command": " ".join(["python", script, *map(shlex.quote, overrides)]),
+    }
+    try:
+        config = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)
+    except Exception:  # an interpolation that does not resolve: validation reports it, the card keeps it raw
+        config = OmegaConf.to_container(cfg, resolve=False)
+    return RunCard(Path(hydra.runtime.output_dir), kind, config, job)
+
+
+# ------------------------------------------------------------------------------ code, packages, device
+
+
+def git_state(repo: Path = REPO) -> dict:
+    """Commit and dirty flag of the checkout the code runs from (untracked files count as dirty)."""
+
+    def git(*args: str) -> str | None:
+        try:
+            done = subprocess.run(
+                ["git", "--no-optional-locks", "-C", str(repo), *args],
+                capture_output=True,
+                text=True,
+                timeout=10,
+            )
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        return done.stdout.strip() if done.returncode == 0 else None
+
+    commit = git("rev-parse", "HEAD")
+    if commit is None:
+        return {"commit": None, "dirty": None}
+    changes = git("status", "--porcelain")
+    return {
+        "commit": commit,
+        "dirty": bool(changes),
+        "changed_files": len(changes.splitlines()) if changes else 0,
+    }
+
+
+def package_versions() -> dict[str, str | None]:
+    versions = {}
+    for name in PACKAGES:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = None
+    return versions
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def device_description(device: str = "auto") -> dict:
+    """The CPU always (data loading and preprocessing run there), the GPU when the run uses one."""
+    described = {
+        "cpu": cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "gpu": None,
+    }
+    if device != "cpu" and torch.cuda.is_available():
+        index = torch.device(device).index if device.startswith("cuda:") else 0
+        described |= {
+            "gpu": torch.cuda.get_device_name(index),
+            "gpu_count": torch.cuda.device_count(),
+            "cuda": torch.version.cuda,
+        }
+    return described
+
+
+def file_sha256(path: Path) -> str | None:
+    return hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else None
+
+
+# ------------------------------------------------------------------------------------------ time split
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def split_training_time(
+    losses: list[dict], anytime: list[dict], wall: float, budget_spent: float
+) -> dict[str, float | None]:
+    """Split the wall time of train() into set-up, compile, train and eval, from the metrics records.
+
+    The first record covers the set-up (on the budget's clock, before its window) and the first update;
+    `compile` is what that first update took beyond a steady one (torch.compile, lazy initialization).
+    `eval` is everything in train() that is not set-up or updates: anytime evaluations, the final
+    validation and saving the model.
+    """
+    if not losses:
+        return {"setup": None, "compile": None, "train": budget_spent, "eval": wall - budget_spent}
+    first = losses[0]
+    first_update = first["batch_size"] / first["seq_per_s"]
+    setup = max(0.0, first["elapsed_h"] * 3600 - first_update)
+    steady = [r["seq_per_s"] for r in losses[1:]]
+    compile_s = max(0.0, first_update - first["batch_size"] / statistics.median(steady)) if steady else 0.0
+    charged = sum(r["anytime_seconds"] for r in anytime if r["anytime_charged"])
+    train = max(0.0, budget_spent - setup - compile_s - charged)
+    return {
+        "setup": setup,
+        "compile": compile_s,
+        "train": train,
+        "eval": max(0.0, wall - setup - compile_s - train),
+    }
+
+
+def _now() -> str:
+    return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")

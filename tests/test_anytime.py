@@ -1,0 +1,93 @@
+"""Anytime evaluation: due once per fraction, its time charged to the budget or not, pretraining's random
+state untouched. Fine-tuning itself is replaced by a stand-in here (tests/test_sweeps.py runs the real one)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from cramming.data.config import NormalizerConfig, TokenizerConfig
+from cramming.data.tokenizer import SpecialTokens, train_tokenizer
+from cramming.errors import ConfigError
+from cramming.eval import finetune as finetune_module
+from cramming.eval.anytime import AnytimeConfig, AnytimeEval
+from cramming.eval.config import EvalConfig
+from cramming.eval.finetune import TaskResult
+from cramming.impl import ImplConfig
+from cramming.model import ArchConfig, build_model
+from cramming.train.budget import BudgetClock
+from cramming.train.checkpoint import MODEL_CONFIG
+
+TINY = ArchConfig(name="tiny", num_layers=1, hidden_size=32, num_heads=2, intermediate_size=64)
+
+
+class ManualClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def anytime(tmp_path, glue_dir, monkeypatch):
+    clock = ManualClock()
+    seen = []
+
+    def fake_finetune(task, splits, checkpoint, cfg, impl, seed, budget=None):
+        assert (Path(checkpoint) / MODEL_CONFIG).is_file()  # the current weights, saved as a checkpoint
+        seen.append(task.name)
+        torch.rand(3)  # fine-tuning draws random numbers too
+        clock.now += 50.0  # each task takes 50 s
+        return TaskResult({task.name: {"accuracy": 0.75}}, 8, 1, 50.0, 0.5, False)
+
+    monkeypatch.setattr(finetune_module, "finetune", fake_finetune)
+    tokenizer = train_tokenizer(
+        [["a few words of text", "and more words"] * 10], TokenizerConfig(vocab_size=64), NormalizerConfig()
+    )
+
+    def make(charged: bool, at=(0.25, 1.0), fraction_done=0.0):
+        cfg = AnytimeConfig(
+            at=list(at), charged=charged, recipe=EvalConfig(tasks=["RTE", "SST-2"], glue_dir=str(glue_dir))
+        )
+        evaluator = AnytimeEval(
+            cfg, tokenizer=tokenizer, seq_length=32, special=SpecialTokens(), impl=ImplConfig(device="cpu"),
+            run_dir=tmp_path, cache_dir=tmp_path / "hf", fraction_done=fraction_done,
+        )  # fmt: skip
+        return evaluator, BudgetClock(1000 / 3600, clock), clock, seen
+
+    return make
+
+
+@pytest.mark.parametrize("charged", [False, True])
+def test_evaluates_once_per_fraction_and_charges_the_budget_or_not(anytime, charged):
+    evaluator, budget, clock, seen = anytime(charged)
+    model = build_model(TINY, 64)
+    clock.now = 200.0  # 20% of the budget
+    assert not evaluator.due(budget.fraction())
+    clock.now = 300.0
+    assert evaluator.due(budget.fraction())
+    rng_before = torch.get_rng_state()
+    record = evaluator.evaluate(model, budget, update=7)
+    assert torch.equal(torch.get_rng_state(), rng_before)
+    assert seen == ["RTE", "SST-2"]
+    assert record["anytime_fraction"] == 0.25 and record["budget_fraction"] == pytest.approx(0.3)
+    assert record["anytime"] == {"SST-2": 0.75, "RTE": 0.75} and record["anytime_average"] == 0.75
+    assert record["anytime_charged"] is charged
+    # two tasks of 50 s: on the budget's clock only when charged
+    assert budget.elapsed() == pytest.approx(400.0 if charged else 300.0)
+    assert not evaluator.due(budget.fraction())  # 0.25 is done; 1.0 is not reached
+    clock.now += 1000.0
+    assert evaluator.due(budget.fraction())
+
+
+def test_a_resumed_run_skips_the_fractions_it_passed(anytime):
+    evaluator, _, _, _ = anytime(False, at=(0.25, 0.5, 1.0), fraction_done=0.4)
+    assert evaluator.pending == [0.5, 1.0]
+
+
+def test_fractions_are_checked():
+    with pytest.raises(ConfigError, match="train.anytime.at"):
+        AnytimeConfig(at=[0.5, 1.5])

@@ -1,0 +1,155 @@
+"""Run cards: what they record, how a failing job ends in a single run and in a multirun, the time split;
+the paused budget clock and the TensorBoard hook that go with them."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from omegaconf import DictConfig, open_dict
+
+from cramming.config import register_configs
+from cramming.errors import ConfigError
+from cramming.runcard import RUN_CARD, JobFailed, RunCard, git_state, run_job, split_training_time
+from cramming.train.budget import BudgetClock
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def hydra_job(tmp_path):
+    """Compose conf/eval.yaml as Hydra would for one job (a single run or job 3 of a multirun)."""
+
+    def make(mode: RunMode) -> DictConfig:
+        register_configs()
+        with initialize_config_dir(str(REPO / "conf"), version_base="1.3"):
+            cfg = compose("eval", overrides=["checkpoint=some/run"], return_hydra_config=True)
+        with open_dict(cfg):
+            cfg.hydra.mode = mode
+            cfg.hydra.job.num = 3
+            cfg.hydra.runtime.output_dir = str(tmp_path / "job")
+            cfg.hydra.sweep.dir = str(tmp_path)
+        HydraConfig.instance().set_config(cfg)
+        with open_dict(cfg):
+            del cfg["hydra"]
+        return cfg
+
+    yield make
+    HydraConfig.instance().cfg = None
+
+
+def read_card(tmp_path: Path) -> dict:
+    return json.loads((tmp_path / "job" / RUN_CARD).read_text())
+
+
+def test_a_finished_job_records_code_device_config_and_times(hydra_job, tmp_path):
+    cfg = hydra_job(RunMode.RUN)
+
+    def task(cfg, card: RunCard) -> None:
+        assert read_card(tmp_path)["status"] == "running"  # written when the job starts
+        with card.timed("eval"):
+            card.metrics["answer"] = 42
+
+    run_job(task, cfg, kind="eval")
+    card = read_card(tmp_path)
+    assert card["status"] == "ok" and card["error"] is None and card["finished"]
+    assert card["config"]["checkpoint"] == "some/run" and card["seed"] == 0
+    assert card["job"] == {
+        "multirun": False,
+        "num": None,
+        "sweep_dir": None,
+        "overrides": ["checkpoint=some/run"],
+        "command": "python " + card["job"]["command"].split(" ", 1)[1],
+    }
+    assert card["job"]["command"].endswith(" checkpoint=some/run")
+    assert card["metrics"] == {"answer": 42} and card["seconds"]["eval"] >= 0 and card["seconds"]["total"] > 0
+    assert card["packages"]["torch"] and card["packages"]["hydra-core"].startswith("1.3")
+    assert card["device"]["cpu"] and card["device"]["cpu_count"] >= 1
+    assert card["git"] == git_state()
+
+
+def test_a_failed_single_run_exits_non_zero(hydra_job, tmp_path):
+    cfg = hydra_job(RunMode.RUN)
+
+    def task(cfg, card):
+        raise JobFailed(ConfigError("bad value for `eval.lr`: -1"), exit_code=2)
+
+    with pytest.raises(SystemExit) as exit_info:
+        run_job(task, cfg, kind="eval")
+    assert exit_info.value.code == 2
+    card = read_card(tmp_path)
+    assert card["status"] == "failed" and card["error"] == "bad value for `eval.lr`: -1"
+
+    def crash(cfg, card):
+        raise RuntimeError("out of memory")
+
+    with pytest.raises(RuntimeError, match="out of memory"):  # a single run keeps its traceback
+        run_job(crash, cfg, kind="eval")
+    assert read_card(tmp_path)["error"].startswith("RuntimeError: out of memory\nTraceback")
+
+
+def test_a_failed_multirun_job_is_recorded_and_returns(hydra_job, tmp_path):
+    cfg = hydra_job(RunMode.MULTIRUN)
+
+    def crash(cfg, card):
+        raise RuntimeError("out of memory")
+
+    run_job(crash, cfg, kind="eval")  # returns: the sweep goes on with the next job
+    card = read_card(tmp_path)
+    assert card["status"] == "failed" and "RuntimeError: out of memory" in card["error"]
+    assert card["job"]["multirun"] and card["job"]["num"] == 3 and card["job"]["sweep_dir"] == str(tmp_path)
+
+    def interrupted(cfg, card):
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):  # stopping a sweep stops it
+        run_job(interrupted, cfg, kind="eval")
+    assert read_card(tmp_path)["status"] == "interrupted"
+
+
+def test_time_split_from_the_metrics_records():
+    # the first update took 1.0 s for 32 rows where a steady one takes 0.32 s; set-up took 2 s before it
+    losses = [
+        {"batch_size": 32, "seq_per_s": 32.0, "elapsed_h": 3.0 / 3600},
+        {"batch_size": 64, "seq_per_s": 100.0, "elapsed_h": 10.0 / 3600},
+        {"batch_size": 64, "seq_per_s": 100.0, "elapsed_h": 20.0 / 3600},
+    ]
+    anytime = [
+        {"anytime_seconds": 4.0, "anytime_charged": True},
+        {"anytime_seconds": 5.0, "anytime_charged": False},
+    ]
+    split = split_training_time(losses, anytime, wall=40.0, budget_spent=30.0)
+    assert split["setup"] == pytest.approx(2.0)
+    assert split["compile"] == pytest.approx(1.0 - 0.32)
+    assert split["train"] == pytest.approx(30.0 - 2.0 - 0.68 - 4.0)
+    assert sum(split.values()) == pytest.approx(40.0)
+
+
+def test_paused_budget_clock_does_not_count_the_pause():
+    now = [0.0]
+    clock = BudgetClock(1.0, lambda: now[0])
+    now[0] = 100.0
+    with clock.paused():
+        now[0] = 400.0
+    now[0] = 450.0
+    assert clock.elapsed() == pytest.approx(150.0)
+
+
+def test_tensorboard_writes_the_metrics_records(tmp_path):
+    pytest.importorskip("tensorboard", reason="tensorboard is an optional extra")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from cramming.train.tensorboard import TENSORBOARD_DIR, TensorBoardWriter
+
+    writer = TensorBoardWriter(tmp_path)
+    writer.write({"update": 10, "loss": 7.5, "lr": 1e-3, "skipped": 0})
+    writer.write({"update": 20, "loss": 6.5, "anytime": {"RTE": 0.55}, "anytime_charged": False})
+    writer.close()
+    events = EventAccumulator(str(tmp_path / TENSORBOARD_DIR))
+    events.Reload()
+    assert {"loss", "lr", "skipped", "anytime/RTE"} <= set(events.Tags()["scalars"])
+    assert [(e.step, e.value) for e in events.Scalars("loss")] == [(10, 7.5), (20, 6.5)]
