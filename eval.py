@@ -7,7 +7,6 @@ write the scores (JSON and a markdown table) into the run folder.
 from __future__ import annotations
 
 import logging
-import sys
 from pathlib import Path
 
 import hydra
@@ -19,6 +18,7 @@ from cramming.errors import ConfigError
 from cramming.eval.config import EvalRunConfig
 from cramming.eval.run import run_glue
 from cramming.model import KernelUnavailableError
+from cramming.runcard import JobFailed, RunCard, run_job
 from cramming.train.checkpoint import resolve_checkpoint
 
 log = logging.getLogger("cramming")
@@ -27,18 +27,21 @@ register_configs()
 
 @hydra.main(config_path="conf", config_name="eval", version_base="1.3")
 def main(cfg: DictConfig) -> None:
+    run_job(evaluate, cfg, kind="eval")  # the run card is written however the job ends
+
+
+def evaluate(cfg: DictConfig, card: RunCard) -> None:
     try:
         config = validate(cfg, EvalRunConfig)
         checkpoint = resolve_checkpoint(config.checkpoint, config.base_dir)
     except (ConfigError, FileNotFoundError) as err:
-        log.error("%s", err)
-        sys.exit(2)
+        raise JobFailed(err, exit_code=2) from err
     log.info("evaluating %s on %s with %s", checkpoint, ", ".join(config.eval.tasks), config.eval.optim)
     try:
-        run_glue(config, checkpoint, Path(HydraConfig.get().runtime.output_dir))
+        report = run_glue(config, checkpoint, Path(HydraConfig.get().runtime.output_dir))
     except (ConfigError, KernelUnavailableError) as err:
-        log.error("%s", err)
-        sys.exit(2)
+        raise JobFailed(err, exit_code=2) from err
+    card.record_glue(checkpoint, report)
 
 
 if __name__ == "__main__":

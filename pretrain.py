@@ -18,6 +18,8 @@ from cramming.config import register_configs, validate
 from cramming.data import prepare_pretraining_data
 from cramming.errors import ConfigError, DataSourceError
 from cramming.model import KernelUnavailableError
+from cramming.runcard import JobFailed, RunCard, run_job
+from cramming.train import distributed
 from cramming.train.loop import TrainingDiverged, train
 
 log = logging.getLogger("cramming")
@@ -26,26 +28,35 @@ register_configs()
 
 @hydra.main(config_path="conf", config_name="pretrain", version_base="1.3")
 def main(cfg: DictConfig) -> None:
+    run_job(pretrain, cfg, kind="pretrain")  # the run card is written however the job ends
+
+
+def pretrain(cfg: DictConfig, card: RunCard) -> None:
     try:
         config = validate(cfg)
-        data = prepare_pretraining_data(
-            config.data, config.data_cache_root, num_proc=config.impl.preprocessing_procs
-        )
+        ranks = distributed.init_from_env(config.impl)  # under torchrun: one process per GPU
+        # one process per machine preprocesses (or finds the cache); the others then load its result
+        with card.timed("data"), distributed.local_main_first(ranks):
+            data = prepare_pretraining_data(
+                config.data, config.data_cache_root, num_proc=config.impl.preprocessing_procs
+            )
     except (ConfigError, DataSourceError) as err:
-        log.error("%s", err)
-        sys.exit(2)
+        raise JobFailed(err, exit_code=2) from err
+    card.record_pretraining_data(data.path, data.stats, data.vocab_size)
     if config.dryrun:
         log.info("dryrun: data ready at %s; exiting before training", data.path)
         return
     # the budget clock starts inside train(): preprocessing above does not count against it
+    run_dir = distributed.rank_zero_value(ranks, Path(HydraConfig.get().runtime.output_dir))  # one for all
     try:
-        result = train(config, data, Path(HydraConfig.get().runtime.output_dir))
-    except (ConfigError, KernelUnavailableError) as err:
-        log.error("%s", err)
-        sys.exit(2)
+        with card.timed("train"):
+            result = train(config, data, run_dir)
+        distributed.shutdown()
+    except (ConfigError, DataSourceError, KernelUnavailableError) as err:  # data: the anytime GLUE tasks
+        raise JobFailed(err, exit_code=2) from err
     except TrainingDiverged as err:
-        log.error("%s", err)
-        sys.exit(3)
+        raise JobFailed(err, exit_code=3) from err
+    card.record_pretraining(result)
     if result.checkpoint is None:  # stopped by a signal, after saving a resumable state
         log.info("interrupted; continue with: python pretrain.py name=%s resume=true ...", config.name)
         sys.exit(128 + signal.Signals[result.stop_reason])

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -18,6 +19,7 @@ PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 ATTENTIONS = ("sdpa", "eager", "triton")
 LAYERNORMS = ("torch", "triton")
+PARALLELISMS = ("ddp", "fsdp2")
 
 
 @dataclass
@@ -26,13 +28,18 @@ class ImplConfig:
     device: str = "auto"
     # auto: bf16 on GPUs that support it, else fp16 with a loss scaler; fp32 on CPU
     precision: str = "auto"
-    compile: bool = False
+    # torch.compile the model: true, false, or auto (on for CUDA, off on CPU); compile time counts against
+    # the budget. Typed Any so it takes a bool or "auto" (OmegaConf has no unions); checked below
+    compile: Any = "auto"
     attention: str = "sdpa"
     layernorm: str = "torch"
     # fail instead of falling back to PyTorch when a Triton kernel cannot launch
     strict_kernels: bool = False
-    # sequences per forward/backward pass; the recipe's batch size is reached by accumulation
-    microbatch_size: int = 128
+    # sequences per forward/backward pass; the recipe's batch size is reached by accumulation. auto: searched
+    # at start-up for the most tokens/s that fits, on the budget's clock, cached per device and model shape
+    # in {base_dir}/autobatch.json (cramming.train.autobatch); set-up replaces it by the number chosen.
+    # Typed Any so it takes a number or "auto"; checked below
+    microbatch_size: Any = 128
     # DataLoader worker processes during training
     num_workers: int = 2
     # PyTorch intra-op threads when training on CPU (None: PyTorch's default, one per core); on a CPU shared
@@ -40,16 +47,29 @@ class ImplConfig:
     cpu_threads: int | None = None
     # processes for preprocessing maps (None: all cores)
     num_proc: int | None = None
+    # how the processes of a torchrun launch share the model (ignored in a single process): ddp replicates
+    # it and all-reduces gradients; fsdp2 shards parameters, gradients and optimizer state (fully_shard;
+    # train.optim.name=adamw only)
+    distributed: str = "ddp"
 
     def __post_init__(self) -> None:
         check_choice("impl.device", self.device.split(":")[0], DEVICES)
         check_choice("impl.precision", self.precision, PRECISIONS)
         check_choice("impl.attention", self.attention, ATTENTIONS)
         check_choice("impl.layernorm", self.layernorm, LAYERNORMS)
-        if self.microbatch_size < 1:
+        check_choice("impl.distributed", self.distributed, PARALLELISMS)
+        if isinstance(self.microbatch_size, str) and self.microbatch_size.isdigit():
+            self.microbatch_size = int(self.microbatch_size)
+        if self.microbatch_size != "auto" and (
+            type(self.microbatch_size) is not int or self.microbatch_size < 1
+        ):
             raise config_error(
-                "impl.microbatch_size", self.microbatch_size, "use a positive number of sequences"
+                "impl.microbatch_size",
+                self.microbatch_size,
+                "use a positive number of sequences, or auto to search for the fastest at start-up",
             )
+        if self.compile not in (True, False, "auto"):
+            raise config_error("impl.compile", self.compile, "use true, false or auto (on for CUDA only)")
         if self.num_workers < 0:
             raise config_error(
                 "impl.num_workers", self.num_workers, "use 0 (load in the main process) or more"
@@ -70,6 +90,11 @@ class ImplConfig:
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
+
+    def compile_on(self, device: torch.device) -> bool:
+        """Whether to torch.compile: `auto` compiles on CUDA (a minute or two of the budget, repaid within
+        minutes) and not on CPU (little gain for the time it takes)."""
+        return device.type == "cuda" if self.compile == "auto" else bool(self.compile)
 
     def compute_dtype(self, device: torch.device) -> torch.dtype:
         """The autocast dtype: `auto` is bf16 on GPUs that support it, else fp16 (with a loss scaler); fp32 on CPU."""

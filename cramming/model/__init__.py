@@ -1,4 +1,5 @@
-"""The crammed BERT: config (`arch` group), the model, and its attention/LayerNorm backends."""
+"""The crammed BERT: config (`arch` group), the model, and its attention/LayerNorm backends; flops.py counts
+its model FLOPs for throughput and MFU reports."""
 
 from __future__ import annotations
 

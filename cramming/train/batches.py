@@ -9,22 +9,37 @@ shared state.
 from __future__ import annotations
 
 import itertools
+from typing import TYPE_CHECKING
 
-import datasets
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+if TYPE_CHECKING:  # only annotations: the stream also takes any table with the same interface (benchmarks)
+    import datasets
+
 
 class RowStream(Dataset):
-    """Item i: the micro-batch of rows [start + i * microbatch_size, start + (i + 1) * microbatch_size)."""
+    """Item i: the micro-batch of rows [start + i * microbatch_size, start + (i + 1) * microbatch_size).
 
-    def __init__(self, rows: datasets.Dataset, microbatch_size: int, seed: int, start: int = 0):
+    Sharded over `world_size` ranks, item i of rank r is slice r of the global micro-batch i of
+    world_size * microbatch_size rows: the ranks never overlap and together see what one process sees."""
+
+    def __init__(
+        self,
+        rows: datasets.Dataset,
+        microbatch_size: int,
+        seed: int,
+        start: int = 0,
+        rank: int = 0,
+        world_size: int = 1,
+    ):
         self.rows = rows.with_format("numpy", columns=["input_ids"])
         self.num_rows = len(rows)
         self.microbatch_size = microbatch_size
         self.seed = seed
         self.start = start
+        self.rank, self.world_size = rank, world_size
         self._epoch, self._order = 0, None  # cache of the current epoch's permutation
 
     def row_indices(self, stream_rows: np.ndarray) -> np.ndarray:
@@ -48,17 +63,25 @@ class RowStream(Dataset):
         return 2**62
 
     def __getitem__(self, i: int) -> torch.Tensor:
-        first = self.start + i * self.microbatch_size
+        first = self.start + (i * self.world_size + self.rank) * self.microbatch_size
         indices = self.row_indices(np.arange(first, first + self.microbatch_size))
         ids = self.rows[indices]["input_ids"]  # (microbatch, seq), uint16 or int32 on disk
         return torch.from_numpy(np.asarray(ids, dtype=np.int64))
 
 
 def microbatches(
-    rows: datasets.Dataset, microbatch_size: int, seed: int, start: int, num_workers: int, pin_memory: bool
+    rows: datasets.Dataset,
+    microbatch_size: int,
+    seed: int,
+    start: int,
+    num_workers: int,
+    pin_memory: bool,
+    rank: int = 0,
+    world_size: int = 1,
 ) -> DataLoader:
-    """Endless DataLoader of (microbatch, seq) int64 tensors starting at stream row `start`."""
-    stream = RowStream(rows, microbatch_size, seed, start)
+    """Endless DataLoader of (microbatch, seq) int64 tensors starting at stream row `start` (this rank's
+    share of each global micro-batch when sharded)."""
+    stream = RowStream(rows, microbatch_size, seed, start, rank, world_size)
     return DataLoader(
         stream,
         batch_size=None,  # each item already is a micro-batch

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import datetime as dt
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 
 class BudgetClock:
@@ -30,6 +31,15 @@ class BudgetClock:
     def fraction(self) -> float:
         """Share of the budget spent; above 1 once it is over."""
         return self.elapsed() / self.budget_seconds
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """Time spent inside does not count against the budget (an evaluation not charged to it)."""
+        start = self._clock()
+        try:
+            yield
+        finally:
+            self._start += self._clock() - start
 
     def expired(self) -> bool:
         """The stop rule, checked after every micro-batch: stop once elapsed time exceeds the budget."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from cramming.errors import check_choice, config_error
+from cramming.eval.anytime import AnytimeConfig
 from cramming.optim.config import OptimConfig
 from cramming.train.schedules import LR_SCHEDULES
 
@@ -70,6 +71,10 @@ class TrainConfig:
     max_nonfinite_updates: int = 10
     # micro-batches of the validation split evaluated at the end of training (0: none)
     eval_microbatches: int = 16
+    # GLUE fine-tuning of the current weights at fractions of the budget (cramming/eval/anytime.py); off by default
+    anytime: AnytimeConfig = field(default_factory=AnytimeConfig)
+    # also write the metrics records as TensorBoard events into {run_dir}/tensorboard (needs `tensorboard`)
+    tensorboard: bool = False
 
     def __post_init__(self) -> None:
         check_choice("train.lr_schedule", self.lr_schedule, LR_SCHEDULES)

@@ -5,6 +5,7 @@
       while no stop reason:
         run_update()      accumulate micro-batches (check_stop after each), then apply_update()
         log / save state  every train.log_every updates / train.checkpoint_every_min minutes
+        run_anytime_eval  GLUE fine-tuning at the fractions of the budget in train.anytime.at
       finish()            resumable state, final checkpoint, validation loss
 
 The host measures elapsed time while the GPU may still be working through queued micro-batches; the one
@@ -23,19 +24,22 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+import torch._dynamo  # noqa: F401  imported before the budget clock starts: the first optimizer does it (5-10 s)
 from torch import nn
 
 from cramming.config import PretrainConfig
 from cramming.data import PretrainingData
 from cramming.errors import ConfigError
+from cramming.eval.anytime import AnytimeEval
 from cramming.model import IGNORE_INDEX, ArchConfig, build_model, count_parameters
 from cramming.optim import build_optimizer, check_layerwise_loop, format_state_report, optimizer_state_report
-from cramming.train import checkpoint
+from cramming.train import autobatch, checkpoint, distributed
 from cramming.train.batches import microbatches
 from cramming.train.budget import BudgetClock
 from cramming.train.mlm import MLMMasker
 from cramming.train.schedules import LR_SCHEDULES, accumulation_steps
 from cramming.train.signals import StopSignals, catch_stop_signals
+from cramming.train.tensorboard import TensorBoardWriter
 from cramming.utils import seed_everything
 
 log = logging.getLogger("cramming")
@@ -92,7 +96,10 @@ class Run:
     window: Window = field(default_factory=Window)
     last_save: float = 0.0  # budget seconds at the last resumable state
     signals: StopSignals | None = None
-    metrics_file: Path | None = None
+    metrics_file: Path | None = None  # None: no metrics written (ranks other than 0)
+    ranks: distributed.Ranks = field(default_factory=distributed.Ranks)  # a single process by default
+    anytime: AnytimeEval | None = None  # GLUE fine-tuning at fractions of the budget (train.anytime)
+    tensorboard: TensorBoardWriter | None = None  # the metrics records as TensorBoard scalars too
 
 
 @dataclass
@@ -109,10 +116,12 @@ class TrainResult:
 
 
 def set_up(cfg: PretrainConfig, data: PretrainingData, run_dir: Path, clock: Callable[[], float]) -> Run:
+    ranks = distributed.init_from_env(cfg.impl)  # under torchrun: its process group; else a single process
     run_dir.mkdir(parents=True, exist_ok=True)
     state = load_resume_state(cfg)
-    budget = BudgetClock(cfg.budget, clock, elapsed_before=state["elapsed"] if state else 0.0)
-    device = cfg.impl.torch_device()
+    elapsed_before = state["elapsed"] if state else 0.0
+    budget = distributed.budget_clock(ranks, cfg.budget, clock, elapsed_before)  # rank 0's, when several
+    device = ranks.device
     dtype = cfg.impl.compute_dtype(device)
     seed_everything(cfg.seed)
     if device.type == "cuda":
@@ -130,6 +139,20 @@ def set_up(cfg: PretrainConfig, data: PretrainingData, run_dir: Path, clock: Cal
         dropout=cfg.train.dropout,
     )
     log_model_size(model, cfg.arch, data.vocab_size)
+    if cfg.impl.microbatch_size == "auto":  # searched now, on the budget's clock, before any optimizer hook
+        cfg.impl.microbatch_size = autobatch.choose_microbatch(
+            model,
+            MLMMasker(cfg.train.mlm, data.vocab_size, data.special.all, data.special.mask),
+            device,
+            dtype,
+            data.seq_length,
+            cache_path=Path(cfg.base_dir) / autobatch.CACHE_FILE,
+            most=cfg.train.batch_size,
+            time_limit=autobatch.time_limit_for(cfg.budget),
+            search_allowed=ranks.world_size == 1,
+        )
+    # DDP wrapper / FSDP2 shards: before the optimizer, which must see FSDP2's parameters
+    step_model = distributed.prepare_model(model, ranks, cfg.train.optim.name, dtype)
     optimizer, scaler = set_up_optimizer(model, cfg, device, dtype)
     special = data.special
     masker = MLMMasker(cfg.train.mlm, data.vocab_size, special.all, special.mask)
@@ -140,20 +163,23 @@ def set_up(cfg: PretrainConfig, data: PretrainingData, run_dir: Path, clock: Cal
         device=device,
         dtype=dtype,
         model=model,
-        step_model=model,
+        step_model=step_model,
         optimizer=optimizer,
         scaler=scaler,
         masker=masker,
         mask_generator=torch.Generator().manual_seed(cfg.seed),
         clock=budget,
         progress=Progress(),
-        metrics_file=run_dir / "metrics.jsonl",
+        metrics_file=run_dir / "metrics.jsonl" if ranks.is_main else None,
+        ranks=ranks,
     )
     if state:
         restore(run, state)
     run.last_save = budget.elapsed()
-    if cfg.impl.compile:
-        run.step_model = torch.compile(model)  # compiles on the first micro-batches: on the budget's clock
+    set_up_reporting(run)
+    if cfg.impl.compile_on(device):
+        # compiles on the first micro-batches: on the budget's clock
+        run.step_model = torch.compile(run.step_model)
     run.batches = iter(
         microbatches(
             data.train,
@@ -162,6 +188,8 @@ def set_up(cfg: PretrainConfig, data: PretrainingData, run_dir: Path, clock: Cal
             start=run.progress.rows,
             num_workers=cfg.impl.num_workers,
             pin_memory=device.type == "cuda",
+            rank=ranks.rank,
+            world_size=ranks.world_size,
         )
     )
     log.info(
@@ -186,7 +214,10 @@ def set_up_optimizer(
     scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
     most_accumulation = accumulation_steps(1.0, cfg.train.batch_size, cfg.impl.microbatch_size, 0.0)
     check_layerwise_loop(
-        optimizer, grad_accumulation=most_accumulation, distributed=False, grad_scaler=scaler.is_enabled()
+        optimizer,
+        grad_accumulation=most_accumulation,
+        distributed=distributed.is_multiprocess(),
+        grad_scaler=scaler.is_enabled(),
     )
     for group in optimizer.param_groups:
         group.setdefault("peak_lr", group["lr"])  # the schedule multiplies this
@@ -226,6 +257,8 @@ def train(
             reason = run_update(run)
             if run.progress.updates == 1 or run.progress.updates % cfg.train.log_every == 0:
                 log_progress(run)
+            if reason is None and run.anytime is not None and run.anytime.due(run.clock.fraction()):
+                run_anytime_eval(run)
             if reason is None and cfg.train.steps is not None and run.progress.updates >= cfg.train.steps:
                 reason = "steps"
             if reason is None and run.clock.elapsed() - run.last_save >= 60 * cfg.train.checkpoint_every_min:
@@ -234,9 +267,13 @@ def train(
 
 
 def check_stop(run: Run) -> str | None:
-    """Checked after every micro-batch: a stop signal, or the budget spent."""
-    if run.signals is not None and run.signals.received:
-        return run.signals.received
+    """Checked after every micro-batch: a stop signal, or the budget spent. Several ranks stop after the same
+    micro-batch: they agree here on rank 0's clock and on a signal any of them received."""
+    received = run.signals.received if run.signals is not None else None
+    if run.ranks.active:
+        received = run.clock.agree(received)
+    if received:
+        return received
     if run.clock.expired():
         return "budget"
     return None
@@ -245,7 +282,8 @@ def check_stop(run: Run) -> str | None:
 def run_update(run: Run) -> str | None:
     """Accumulate the micro-batches of one update and apply it. Returns a stop reason that came up on the way;
     an update cut short by it is dropped (its rows are trained on again after a resume)."""
-    train_cfg, mb = run.cfg.train, run.cfg.impl.microbatch_size
+    # mb: rows of one micro-batch over all ranks; batch_size counts global sequences per update
+    train_cfg, mb = run.cfg.train, run.cfg.impl.microbatch_size * run.ranks.world_size
     accumulate = accumulation_steps(run.clock.fraction(), train_cfg.batch_size, mb, train_cfg.batch_size_ramp)
     run.step_model.train()
     loss_sum = torch.zeros((), device=run.device)
@@ -253,7 +291,9 @@ def run_update(run: Run) -> str | None:
     predicted = torch.zeros((), device=run.device)
     reason, done = None, 0
     while done < accumulate and reason is None:
-        loss, right, count = forward_backward(run, next(run.batches), 1.0 / accumulate)
+        # several ranks reduce gradients once per update: after its last micro-batch
+        with distributed.grad_sync(run.step_model, run.ranks, sync=done + 1 == accumulate):
+            loss, right, count = forward_backward(run, next(run.batches), 1.0 / accumulate)
         loss_sum += loss
         correct += right
         predicted += count
@@ -264,6 +304,8 @@ def run_update(run: Run) -> str | None:
         run.optimizer.zero_grad(set_to_none=True)
         return reason
     run.progress.rows += accumulate * mb  # consumed, whether applied or skipped as non-finite
+    # several ranks: the mean loss over all of them (so all skip a non-finite update), summed counts
+    loss_sum, correct, predicted = distributed.reduce_update_stats(run.ranks, loss_sum, correct, predicted)
     if apply_update(run, loss_sum / accumulate):
         run.window.loss += loss_sum / accumulate
         run.window.correct += correct
@@ -275,7 +317,9 @@ def run_update(run: Run) -> str | None:
 
 def forward_backward(run: Run, input_ids: torch.Tensor, loss_scale: float):
     """One micro-batch: mask, forward, backward. Returns detached (loss, correct predictions, predictions)."""
-    corrupted, labels = run.masker(input_ids, run.mask_generator)
+    corrupted, labels = distributed.mask_local_rows(run.masker, input_ids, run.mask_generator, run.ranks)
+    if run.device.type == "cuda":  # copies from pinned memory do not wait for the queued GPU work
+        corrupted, labels = corrupted.pin_memory(), labels.pin_memory()
     corrupted = corrupted.to(run.device, non_blocking=True)
     labels = labels.to(run.device, non_blocking=True)
     with torch.autocast(run.device.type, dtype=run.dtype, enabled=run.dtype != torch.float32):
@@ -283,7 +327,10 @@ def forward_backward(run: Run, input_ids: torch.Tensor, loss_scale: float):
     run.scaler.scale(out.loss * loss_scale).backward()
     with torch.no_grad():
         target = out.labels != IGNORE_INDEX
-        correct = ((out.logits.argmax(dim=-1) == out.labels) & target).sum()
+        # right where the label's logit is the row's maximum: argmax == label up to exact ties, and on CPU
+        # an amax is many times cheaper than an argmax (profiled: argmax was 9% of a tiny-model step)
+        label_logit = out.logits.gather(-1, out.labels.clamp(min=0)[:, None]).squeeze(-1)
+        correct = ((label_logit >= out.logits.amax(dim=-1)) & target).sum()
     return out.loss.detach(), correct, target.sum()
 
 
@@ -373,19 +420,64 @@ def log_progress(run: Run) -> None:
 
 
 def write_metrics(run: Run, record: dict) -> None:
+    if run.metrics_file is None:
+        return
     with open(run.metrics_file, "a", encoding="utf-8") as f:
         f.write(json.dumps(record) + "\n")
+    if run.tensorboard is not None:
+        run.tensorboard.write(record)
+
+
+def set_up_reporting(run: Run) -> None:
+    """Anytime evaluation and TensorBoard, when the config asks for them."""
+    cfg = run.cfg.train
+    if cfg.anytime.at:
+        if run.ranks.active:
+            raise ConfigError("train.anytime evaluates in a single process only; run without torchrun")
+        run.anytime = AnytimeEval(
+            cfg.anytime,
+            tokenizer=run.data.tokenizer,
+            seq_length=run.data.seq_length,
+            special=run.data.special,
+            impl=run.cfg.impl,
+            run_dir=run.run_dir,
+            cache_dir=run.cfg.data_cache_root / "hf",
+            # a resumed run does not repeat the fractions it passed
+            fraction_done=run.clock.fraction() if run.cfg.resume else 0.0,
+        )
+    if cfg.tensorboard and run.ranks.is_main:
+        run.tensorboard = TensorBoardWriter(run.run_dir)
+
+
+def run_anytime_eval(run: Run) -> None:
+    """Fine-tune the current weights on the anytime tasks; the throughput figures leave its time out."""
+    log_progress(run)  # closes the throughput window before the evaluation
+    write_metrics(run, run.anytime.evaluate(run.model, run.clock, run.progress.updates))
+    run.window = Window()
+
+
+def close_reporting(run: Run, final: bool) -> None:
+    """The anytime evaluation due at the end of the budget (of the final model only), then TensorBoard."""
+    if final and run.anytime is not None and run.anytime.due(run.clock.fraction()):
+        run_anytime_eval(run)
+    if run.tensorboard is not None:
+        run.tensorboard.close()
 
 
 # ------------------------------------------------------------------------------------- state, resume, finish
 
 
 def save_resumable_state(run: Run) -> None:
+    """Written by rank 0; the others only join in gathering a sharded (FSDP2) state."""
     elapsed = run.clock.elapsed()
+    model_state, optimizer_state = distributed.full_state(run.model, run.optimizer, run.ranks)
+    if not run.ranks.is_main:
+        run.last_save = run.clock.elapsed()
+        return
     state = {
         "version": STATE_VERSION,
-        "model": run.model.state_dict(),
-        "optimizer": run.optimizer.state_dict(),
+        "model": model_state,
+        "optimizer": optimizer_state,
         "scaler": run.scaler.state_dict(),
         "progress": asdict(run.progress),
         "elapsed": elapsed,
@@ -439,8 +531,7 @@ def restore(run: Run, state: dict) -> None:
         log.warning(
             "resuming on other data than the saved run: %s (was %s)", run.data.path, state["data_path"]
         )
-    run.model.load_state_dict(state["model"])
-    run.optimizer.load_state_dict(state["optimizer"])
+    distributed.load_full_state(run.model, run.optimizer, state["model"], state["optimizer"], run.ranks)
     run.scaler.load_state_dict(state["scaler"])
     run.progress = Progress(**state["progress"])
     torch.set_rng_state(state["rng"]["torch"])
@@ -456,22 +547,32 @@ def finish(run: Run, reason: str) -> TrainResult:
     save_resumable_state(run)
     elapsed = run.clock.elapsed()
     if reason in ("SIGINT", "SIGTERM"):
+        distributed.barrier(run.ranks)  # every rank returns once rank 0's state is on disk
+        close_reporting(run, final=False)
         return TrainResult(run.run_dir, reason, run.progress, elapsed, None, None)
-    validation = evaluate(run)
+    validation = evaluate(run)  # on every rank: FSDP2's forward is collective
     info = {"updates": run.progress.updates, "elapsed_h": elapsed / 3600, "stop_reason": reason}
     if validation:
         info["validation"] = validation
         log.info("validation: loss %.4f, mlm acc %.3f", validation["loss"], validation["mlm_acc"])
         write_metrics(run, {"update": run.progress.updates, **{f"val_{k}": v for k, v in validation.items()}})
-    path = checkpoint.save_pretrained(
-        run.model,
-        run.run_dir / checkpoint.CHECKPOINT_DIR,
-        run.data.tokenizer,
-        seq_length=run.data.seq_length,
-        special=run.data.special,
-        info=info,
+    # whole weights on rank 0 (FSDP2: gathered into a CPU copy), None on the others
+    model = distributed.exportable_model(
+        run.model, run.ranks, lambda: build_model(run.cfg.arch, run.data.vocab_size)
     )
-    log.info("final model saved to %s", path)
+    path = run.run_dir / checkpoint.CHECKPOINT_DIR
+    if model is not None:
+        checkpoint.save_pretrained(
+            model,
+            path,
+            run.data.tokenizer,
+            seq_length=run.data.seq_length,
+            special=run.data.special,
+            info=info,
+        )
+        log.info("final model saved to %s", path)
+    distributed.barrier(run.ranks)  # every rank returns once the checkpoint is on disk
+    close_reporting(run, final=True)
     return TrainResult(run.run_dir, reason, run.progress, elapsed, path, validation)
 
 
