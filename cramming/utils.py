@@ -6,7 +6,10 @@ import logging
 import os
 import random
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 import torch
@@ -20,20 +23,27 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
-    """Write a file so that readers see either the old content or the complete new one, never a part."""
+@contextmanager
+def atomic_file(path: str | os.PathLike) -> Iterator[BinaryIO]:
+    """Write a file through a temporary one in the same folder and a rename: readers see the old content or
+    the complete new one, never a part, and a crash mid-write leaves the previous file intact."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(data)
+            yield f
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    with atomic_file(path) as f:
+        f.write(data)
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
@@ -41,20 +51,9 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
 
 
 def atomic_torch_save(obj: object, path: str | os.PathLike) -> None:
-    """torch.save through a temporary file in the same folder and a rename: a crash mid-write leaves the
-    previous file intact. Streams to disk, so a large optimizer state is never held twice in memory."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    """torch.save, atomically. Streams to disk, so a large optimizer state is never held twice in memory."""
+    with atomic_file(path) as f:
+        torch.save(obj, f)
 
 
 def newest_run_dir(base_dir: str | os.PathLike, name: str, containing: str) -> Path | None:
