@@ -223,13 +223,19 @@ def _time_axis(runs: list[RunRecord]) -> tuple[float, str]:
     return (60.0, "elapsed time (minutes)") if longest < 2 else (1.0, "elapsed time (hours)")
 
 
-def plot_loss(runs: list[RunRecord], path: Path) -> None:
+def _plot_over_time(runs: list[RunRecord], key: str, ylabel: str, title: str):
+    """One line per run of metrics[key] against elapsed time; returns (figure, axes) to finish."""
     scale, xlabel = _time_axis(runs)
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for run in runs:
-        x, y = _series(run, "elapsed_h", "loss")
+        x, y = _series(run, "elapsed_h", key)
         ax.plot([v * scale for v in x], y, label=run.label, linewidth=1.2)
-    ax.set(xlabel=xlabel, ylabel="MLM loss (training, per log window)", title=PLOTS["loss"])
+    ax.set(xlabel=xlabel, ylabel=ylabel, title=title)
+    return fig, ax
+
+
+def plot_loss(runs: list[RunRecord], path: Path) -> None:
+    fig, ax = _plot_over_time(runs, "loss", "MLM loss (training, per log window)", PLOTS["loss"])
     _finish(fig, ax, path)
 
 
@@ -245,12 +251,7 @@ def plot_schedule(runs: list[RunRecord], path: Path) -> None:
 
 
 def plot_throughput(runs: list[RunRecord], path: Path) -> None:
-    scale, xlabel = _time_axis(runs)
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for run in runs:
-        x, y = _series(run, "elapsed_h", "tok_per_s")
-        ax.plot([v * scale for v in x], y, label=run.label, linewidth=1.2)
-    ax.set(xlabel=xlabel, ylabel="tokens per second", title=PLOTS["throughput"])
+    fig, ax = _plot_over_time(runs, "tok_per_s", "tokens per second", PLOTS["throughput"])
     ax.set_ylim(bottom=0)
     _finish(fig, ax, path)
 

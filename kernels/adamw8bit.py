@@ -14,11 +14,10 @@ there is no backward kernel and no autograd.Function: `adamw8bit_update_triton` 
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
+from cramming.kernels import triton_status
 
 from cramming.optim.quant import QBLOCK, AdamScalars, QuantizedMoments, QuantMap, num_blocks
 
@@ -97,11 +96,11 @@ def _adamw8bit_update_kernel(
 
 
 def _check_launchable(t: torch.Tensor) -> None:
-    if not t.is_cuda and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+    ok, why = triton_status(t.device.type)
+    if not ok:
         raise RuntimeError(
-            "the fused 8-bit AdamW kernel needs a CUDA tensor (or TRITON_INTERPRET=1, set before importing "
-            "cramming.kernels.adamw8bit, to run it on CPU in the interpreter); build the optimizer with "
-            "kernel='torch' or 'auto' to use the PyTorch path"
+            f"the fused 8-bit AdamW kernel cannot launch: {why}; build the optimizer with kernel='torch' or "
+            "'auto' to use the PyTorch path"
         )
 
 
