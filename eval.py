@@ -18,8 +18,8 @@ from cramming.errors import ConfigError
 from cramming.eval.config import EvalRunConfig
 from cramming.eval.run import run_glue
 from cramming.model import KernelUnavailableError
+from cramming.model.checkpoint import resolve_checkpoint
 from cramming.runcard import JobFailed, RunCard, run_job
-from cramming.train.checkpoint import resolve_checkpoint
 
 log = logging.getLogger("cramming")
 register_configs()

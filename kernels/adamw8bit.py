@@ -17,8 +17,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from cramming.kernels import triton_status
 
+from cramming.kernels import triton_status
 from cramming.optim.quant import QBLOCK, AdamScalars, QuantizedMoments, QuantMap, num_blocks
 
 BLOCKS_PER_PROGRAM = 4  # 1024 elements per program: enough bytes in flight for a memory-bound update

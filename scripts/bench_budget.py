@@ -102,7 +102,7 @@ def held_out(run_dir: Path, fraction: float, mode: str, args: argparse.Namespace
     """(MLM loss, accuracy) of a run's final model on the whole validation split, masks seeded identically."""
     from cramming.data import load_pretraining_data
     from cramming.model import IGNORE_INDEX
-    from cramming.train.checkpoint import load_pretrained
+    from cramming.model.checkpoint import load_pretrained
     from cramming.train.config import MLMConfig
     from cramming.train.mlm import MLMMasker
 

@@ -135,8 +135,9 @@ def eager_attention(q, k, v, mask):
 
 
 def bench_attention(seq: int, args) -> list[Row]:
-    from cramming.kernels.attention import flash_attention
     from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from cramming.kernels.attention import flash_attention
 
     shape = (args.batch, args.heads, seq, args.head_dim)
     q, k, v = (

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from cramming.budget import BudgetClock
 from cramming.data.config import NormalizerConfig, TokenizerConfig
 from cramming.data.tokenizer import SpecialTokens, train_tokenizer
 from cramming.errors import ConfigError
@@ -17,8 +18,7 @@ from cramming.eval.config import EvalConfig
 from cramming.eval.finetune import TaskResult
 from cramming.impl import ImplConfig
 from cramming.model import ArchConfig, build_model
-from cramming.train.budget import BudgetClock
-from cramming.train.checkpoint import MODEL_CONFIG
+from cramming.model.checkpoint import MODEL_CONFIG
 
 TINY = ArchConfig(name="tiny", num_layers=1, hidden_size=32, num_heads=2, intermediate_size=64)
 

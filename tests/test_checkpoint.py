@@ -19,6 +19,7 @@ from test_train import (
 
 from cramming.errors import ConfigError
 from cramming.model import BertForMLM, build_model
+from cramming.model import checkpoint as model_checkpoint
 from cramming.train import checkpoint, loop
 
 
@@ -26,8 +27,8 @@ def save_tiny(tmp_path, model=None, stamp="2026-01-01_00-00-00"):
     cfg = make_config(tmp_path)
     data = synthetic_data(tmp_path)
     model = model or build_model(cfg.arch, data.vocab_size)
-    directory = run_dir(cfg, stamp) / checkpoint.CHECKPOINT_DIR
-    checkpoint.save_pretrained(
+    directory = run_dir(cfg, stamp) / model_checkpoint.CHECKPOINT_DIR
+    model_checkpoint.save_pretrained(
         torch.compile(model),
         directory,
         data.tokenizer,
@@ -42,7 +43,7 @@ def test_round_trip_gives_identical_logits(tmp_path):
     cfg, model, directory = save_tiny(tmp_path)
     input_ids = torch.randint(5, 200, (2, 32))
     labels = torch.where(torch.rand(2, 32) < 0.3, input_ids, -100)
-    loaded = checkpoint.load_pretrained(directory)
+    loaded = model_checkpoint.load_pretrained(directory)
     assert isinstance(loaded.model, BertForMLM)
     model.eval()
     loaded.model.eval()
@@ -59,24 +60,24 @@ def test_weights_carry_no_compile_prefix(tmp_path):
     from safetensors import safe_open
 
     _, _, directory = save_tiny(tmp_path)
-    with safe_open(str(directory / checkpoint.WEIGHTS), "pt") as f:
+    with safe_open(str(directory / model_checkpoint.WEIGHTS), "pt") as f:
         keys = list(f.keys())
     assert keys and not any("_orig_mod" in k for k in keys)
-    config = json.loads((directory / checkpoint.MODEL_CONFIG).read_text())
+    config = json.loads((directory / model_checkpoint.MODEL_CONFIG).read_text())
     assert config["arch"]["name"] == "tiny" and config["vocab_size"] == 200
-    assert (directory / checkpoint.TOKENIZER).is_file()
+    assert (directory / model_checkpoint.TOKENIZER).is_file()
 
 
 def test_checkpoint_found_by_run_folder_and_by_name(tmp_path):
     cfg, _, older = save_tiny(tmp_path, stamp="2026-01-01_00-00-00")
     _, _, newer = save_tiny(tmp_path, stamp="2026-01-02_00-00-00")
     (run_dir(cfg, "2026-01-03_00-00-00")).mkdir()  # a newer run without a final model
-    assert checkpoint.resolve_checkpoint(older) == older
-    assert checkpoint.resolve_checkpoint(older.parent) == older
-    assert checkpoint.resolve_checkpoint("test", base_dir=tmp_path) == newer
-    assert checkpoint.resolve_checkpoint("test", base_dir=tmp_path, run="2026-01-01_00-00-00") == older
+    assert model_checkpoint.resolve_checkpoint(older) == older
+    assert model_checkpoint.resolve_checkpoint(older.parent) == older
+    assert model_checkpoint.resolve_checkpoint("test", base_dir=tmp_path) == newer
+    assert model_checkpoint.resolve_checkpoint("test", base_dir=tmp_path, run="2026-01-01_00-00-00") == older
     with pytest.raises(FileNotFoundError, match="no checkpoint"):
-        checkpoint.resolve_checkpoint("other", base_dir=tmp_path)
+        model_checkpoint.resolve_checkpoint("other", base_dir=tmp_path)
 
 
 @pytest.fixture
@@ -130,8 +131,8 @@ def test_resume_continues_steps_data_and_elapsed_budget(tmp_path, monkeypatch, t
     assert read_metrics(second.run_dir)[0]["update"] == 5
 
     # and ends exactly where the uninterrupted run ended: same data, masks, optimizer state
-    ours = checkpoint.load_pretrained(second.checkpoint).model.state_dict()
-    theirs = checkpoint.load_pretrained(reference.checkpoint).model.state_dict()
+    ours = model_checkpoint.load_pretrained(second.checkpoint).model.state_dict()
+    theirs = model_checkpoint.load_pretrained(reference.checkpoint).model.state_dict()
     for key, value in theirs.items():
         torch.testing.assert_close(ours[key], value, rtol=0, atol=0, msg=key)
 

@@ -24,6 +24,7 @@ from safetensors import safe_open
 from test_train import make_config, read_metrics, run_dir, synthetic_data
 
 from cramming.errors import ConfigError
+from cramming.model import checkpoint as model_checkpoint
 from cramming.train import checkpoint, distributed, loop
 from cramming.train.batches import RowStream
 from cramming.train.mlm import MLMMasker
@@ -61,7 +62,7 @@ def losses(path: str | Path) -> list[float]:
 
 
 def final_weights(path: str | Path) -> dict[str, torch.Tensor]:
-    return checkpoint.load_pretrained(path).model.state_dict()
+    return model_checkpoint.load_pretrained(path).model.state_dict()
 
 
 @pytest.mark.slow
@@ -176,7 +177,7 @@ def test_rank_zero_writes_plain_checkpoints_and_one_metrics_record_per_update(la
     _, ranks = launched
     run = ranks[0][mode]
     assert ranks[1][mode]["checkpoint"] == run["checkpoint"]
-    with safe_open(str(Path(run["checkpoint"]) / checkpoint.WEIGHTS), "pt") as f:
+    with safe_open(str(Path(run["checkpoint"]) / model_checkpoint.WEIGHTS), "pt") as f:
         keys = list(f.keys())
     assert keys and not any(k.startswith(("module.", "_orig_mod.")) or "._fsdp" in k for k in keys), keys
     state = checkpoint.load_state(Path(run["run_dir"]) / checkpoint.STATE)
@@ -213,7 +214,7 @@ def test_torchrun_pretrain_py(tmp_path):
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
     (run,) = [p for p in (tmp_path / "pair").iterdir() if (p / checkpoint.STATE).is_file()]
-    assert (run / checkpoint.CHECKPOINT_DIR / checkpoint.WEIGHTS).is_file()
+    assert (run / model_checkpoint.CHECKPOINT_DIR / model_checkpoint.WEIGHTS).is_file()
     updates = [r["update"] for r in read_metrics(run) if "loss" in r]
     assert updates and updates == sorted(set(updates))  # one writer
     assert read_metrics(run)[0]["batch_size"] == 16  # the ramp starts at one global micro-batch: 2 x 8

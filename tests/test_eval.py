@@ -17,7 +17,7 @@ from cramming.eval.run import RESULTS_JSON, RESULTS_TABLE, run_glue
 from cramming.eval.tasks import GLUE_TASKS
 from cramming.impl import ImplConfig
 from cramming.model import ArchConfig, build_model
-from cramming.train.checkpoint import resolve_checkpoint, save_pretrained
+from cramming.model.checkpoint import resolve_checkpoint, save_pretrained
 
 GLUE_DIR = Path(__file__).resolve().parents[2] / "shared" / "data" / "glue"
 TINY = ArchConfig(name="tiny", num_layers=2, hidden_size=64, num_heads=2, intermediate_size=128, dropout=0.0)

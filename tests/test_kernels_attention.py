@@ -11,8 +11,9 @@ import time
 
 import pytest
 import torch
-from cramming.kernels import triton_status
 from kernel_checks import assert_close
+
+from cramming.kernels import triton_status
 
 TRITON_OK, TRITON_WHY = triton_status()
 pytestmark = pytest.mark.skipif(not TRITON_OK, reason=f"Triton cannot launch here: {TRITON_WHY}")

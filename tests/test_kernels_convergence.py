@@ -11,8 +11,8 @@ import copy
 
 import pytest
 import torch
-from cramming.kernels import triton_status
 
+from cramming.kernels import triton_status
 from cramming.model import IGNORE_INDEX, ArchConfig, BertForMLM
 
 TRITON_OK, TRITON_WHY = triton_status()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 
 import torch
+
 from cramming.kernels import triton_status
 
 

@@ -16,7 +16,6 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from cramming.kernels.adamw8bit import adamw8bit_update_triton  # noqa: E402
-
 from cramming.optim import AdamW  # noqa: E402
 from cramming.optim.quant import AdamScalars, QuantizedMoments, QuantMap, adamw8bit_update_torch  # noqa: E402
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from cramming.model import checkpoint as model_checkpoint
 from cramming.train import checkpoint
 
 REPO = Path(__file__).resolve().parent.parent
@@ -78,7 +79,7 @@ def test_pretrain_tiny_on_wikipedia_loss_falls(wiki_shard, base_dir):
     assert last["elapsed_h"] == pytest.approx(0.0125, rel=0.1)
 
     # the final model loads by run name (the newest run) and predicts better than chance
-    loaded = checkpoint.load_pretrained("e2e", base_dir=base_dir)
+    loaded = model_checkpoint.load_pretrained("e2e", base_dir=base_dir)
     assert loaded.config["training"]["stop_reason"] == "budget"
     assert loaded.config["training"]["validation"]["loss"] < math.log(VOCAB) - 0.8
     ids = torch.tensor([loaded.tokenizer.encode("the history of the city of paris").ids])
@@ -104,7 +105,7 @@ def test_sigterm_then_resume_continues_the_budget(wiki_shard, base_dir):
     assert "resume=true" in output
     (interrupted,) = runs(base_dir, "resume")
     state = checkpoint.load_state(interrupted / checkpoint.STATE)
-    assert not (interrupted / checkpoint.CHECKPOINT_DIR).exists()
+    assert not (interrupted / model_checkpoint.CHECKPOINT_DIR).exists()
 
     time.sleep(1.1)  # run folders are named by the second
     done = subprocess.run(
@@ -118,4 +119,4 @@ def test_sigterm_then_resume_continues_the_budget(wiki_shard, base_dir):
     # the budget counted on from the interrupted part: it ends at 0.005 h in all, not 0.005 h more
     assert records[-1]["elapsed_h"] == pytest.approx(0.005, rel=0.15)
     assert state["elapsed"] / 3600 < 0.005
-    assert (resumed / checkpoint.CHECKPOINT_DIR / checkpoint.WEIGHTS).is_file()
+    assert (resumed / model_checkpoint.CHECKPOINT_DIR / model_checkpoint.WEIGHTS).is_file()

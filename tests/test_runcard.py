@@ -12,10 +12,10 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, open_dict
 
+from cramming.budget import BudgetClock
 from cramming.config import register_configs
 from cramming.errors import ConfigError
 from cramming.runcard import RUN_CARD, JobFailed, RunCard, git_state, run_job, split_training_time
-from cramming.train.budget import BudgetClock
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -17,10 +17,10 @@ from hydra import compose, initialize_config_dir
 from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
 
+from cramming.budget import BudgetClock
 from cramming.config import CONF_DIR, PretrainConfig, register_configs, validate
 from cramming.data import PretrainingData
 from cramming.train import loop
-from cramming.train.budget import BudgetClock
 
 VOCAB = 200
 SEQ = 32

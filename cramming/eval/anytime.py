@@ -24,13 +24,13 @@ import torch
 from tokenizers import Tokenizer
 from torch import nn
 
+from cramming.budget import BudgetClock
 from cramming.errors import DataSourceError, config_error
 from cramming.eval.config import EvalConfig
 from cramming.eval.scores import glue_average, summarize
 from cramming.eval.tasks import GLUE_TASKS
 from cramming.impl import ImplConfig
-from cramming.train.budget import BudgetClock
-from cramming.train.checkpoint import save_pretrained
+from cramming.model.checkpoint import save_pretrained
 
 log = logging.getLogger("cramming")
 

@@ -20,15 +20,15 @@ import torch.nn.functional as F
 from tokenizers import Tokenizer
 from torch import nn
 
+from cramming.budget import BudgetClock
 from cramming.eval.config import EvalConfig
 from cramming.eval.glue_metric import load_glue_metric
 from cramming.eval.tasks import GlueTask
 from cramming.impl import ImplConfig
 from cramming.model import Encoder
+from cramming.model.checkpoint import load_pretrained
 from cramming.optim import build_optimizer
 from cramming.optim.base import check_layerwise_loop
-from cramming.train.budget import BudgetClock
-from cramming.train.checkpoint import load_pretrained
 from cramming.utils import seed_everything
 
 log = logging.getLogger("cramming")

@@ -9,14 +9,14 @@ from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 
+from cramming.budget import BudgetClock
 from cramming.errors import DataSourceError
 from cramming.eval.config import EvalRunConfig
 from cramming.eval.finetune import finetune
 from cramming.eval.glue_data import load_task
 from cramming.eval.scores import glue_average, markdown_table, summarize
 from cramming.eval.tasks import GLUE_TASKS
-from cramming.train.budget import BudgetClock
-from cramming.train.checkpoint import MODEL_CONFIG
+from cramming.model.checkpoint import MODEL_CONFIG
 from cramming.utils import atomic_write_text
 
 log = logging.getLogger("cramming")

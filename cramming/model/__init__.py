@@ -1,31 +1,12 @@
 """The crammed BERT: config (`arch` group), the model, and its attention/LayerNorm backends; flops.py counts
-its model FLOPs for throughput and MFU reports."""
+its model FLOPs for throughput and MFU reports; checkpoint.py writes and reads a finished model."""
 
 from __future__ import annotations
 
-import torch
-
 from cramming.model.bert import IGNORE_INDEX, BertForMLM, Encoder, MLMOutput, count_parameters
+from cramming.model.build import build_model
 from cramming.model.config import ArchConfig
-from cramming.model.ops import KernelUnavailableError, resolve_backends
-
-
-def build_model(
-    arch: ArchConfig,
-    vocab_size: int,
-    *,
-    device: torch.device | str = "cpu",
-    attention: str = "sdpa",
-    layernorm: str = "torch",
-    strict_kernels: bool = False,
-    dropout: float | None = None,
-) -> BertForMLM:
-    """A freshly initialized model on `device`, with the kernel backends that can run there."""
-    device = torch.device(device)
-    attention, layernorm = resolve_backends(attention, layernorm, device, strict_kernels)
-    model = BertForMLM(arch, vocab_size, dropout=dropout, attention=attention, layernorm=layernorm)
-    return model.to(device)
-
+from cramming.model.ops import KernelUnavailableError
 
 __all__ = [
     "IGNORE_INDEX",

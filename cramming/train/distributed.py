@@ -36,10 +36,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from cramming.budget import BudgetClock
 from cramming.errors import ConfigError
 from cramming.impl import ImplConfig
-from cramming.train.budget import BudgetClock
-from cramming.train.checkpoint import unwrap
+from cramming.model.checkpoint import unwrap
 from cramming.train.mlm import MLMMasker
 
 log = logging.getLogger("cramming")

@@ -27,15 +27,16 @@ import torch
 import torch._dynamo  # noqa: F401  imported before the budget clock starts: the first optimizer does it (5-10 s)
 from torch import nn
 
+from cramming.budget import BudgetClock
 from cramming.config import PretrainConfig
 from cramming.data import PretrainingData
 from cramming.errors import ConfigError
 from cramming.eval.anytime import AnytimeEval
 from cramming.model import IGNORE_INDEX, ArchConfig, build_model, count_parameters
+from cramming.model import checkpoint as model_checkpoint
 from cramming.optim import build_optimizer, check_layerwise_loop, format_state_report, optimizer_state_report
 from cramming.train import autobatch, checkpoint, distributed
 from cramming.train.batches import microbatches
-from cramming.train.budget import BudgetClock
 from cramming.train.mlm import MLMMasker
 from cramming.train.schedules import LR_SCHEDULES, accumulation_steps
 from cramming.train.signals import StopSignals, catch_stop_signals
@@ -560,9 +561,9 @@ def finish(run: Run, reason: str) -> TrainResult:
     model = distributed.exportable_model(
         run.model, run.ranks, lambda: build_model(run.cfg.arch, run.data.vocab_size)
     )
-    path = run.run_dir / checkpoint.CHECKPOINT_DIR
+    path = run.run_dir / model_checkpoint.CHECKPOINT_DIR
     if model is not None:
-        checkpoint.save_pretrained(
+        model_checkpoint.save_pretrained(
             model,
             path,
             run.data.tokenizer,

@@ -1,0 +1,26 @@
+"""Build a model with the kernel backends that can run on its device."""
+
+from __future__ import annotations
+
+import torch
+
+from cramming.model.bert import BertForMLM
+from cramming.model.config import ArchConfig
+from cramming.model.ops import resolve_backends
+
+
+def build_model(
+    arch: ArchConfig,
+    vocab_size: int,
+    *,
+    device: torch.device | str = "cpu",
+    attention: str = "sdpa",
+    layernorm: str = "torch",
+    strict_kernels: bool = False,
+    dropout: float | None = None,
+) -> BertForMLM:
+    """A freshly initialized model on `device`, with the kernel backends that can run there."""
+    device = torch.device(device)
+    attention, layernorm = resolve_backends(attention, layernorm, device, strict_kernels)
+    model = BertForMLM(arch, vocab_size, dropout=dropout, attention=attention, layernorm=layernorm)
+    return model.to(device)
