@@ -16,7 +16,7 @@ from omegaconf import DictConfig
 from cramming.config import register_configs, validate
 from cramming.errors import ConfigError
 from cramming.eval.config import EvalRunConfig
-from cramming.eval.run import run_glue
+from cramming.eval.run import checkpoint_backbone, run_glue
 from cramming.model import KernelUnavailableError
 from cramming.model.checkpoint import resolve_checkpoint
 from cramming.runcard import JobFailed, RunCard, run_job
@@ -36,9 +36,11 @@ def evaluate(cfg: DictConfig, card: RunCard) -> None:
         checkpoint = resolve_checkpoint(config.checkpoint, config.base_dir)
     except (ConfigError, FileNotFoundError) as err:
         raise JobFailed(err, exit_code=2) from err
-    log.info("evaluating %s on %s with %s", checkpoint, ", ".join(config.eval.tasks), config.eval.optim)
+    log.info("evaluating %s on %s with %s", checkpoint, ", ".join(config.eval.tasks), config.eval.optim.name)
+    config.impl.apply_threads()
     try:
-        report = run_glue(config, checkpoint, Path(HydraConfig.get().runtime.output_dir))
+        backbone = checkpoint_backbone(checkpoint, config.impl, config.base_dir)
+        report = run_glue(config, backbone, Path(HydraConfig.get().runtime.output_dir))
     except (ConfigError, KernelUnavailableError) as err:
         raise JobFailed(err, exit_code=2) from err
     card.record_glue(checkpoint, report)

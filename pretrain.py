@@ -17,6 +17,7 @@ from omegaconf import DictConfig
 from cramming.config import register_configs, validate
 from cramming.data import prepare_pretraining_data
 from cramming.errors import ConfigError, DataSourceError
+from cramming.eval.anytime import AnytimeEval
 from cramming.model import KernelUnavailableError
 from cramming.runcard import JobFailed, RunCard, run_job
 from cramming.train import distributed
@@ -40,6 +41,12 @@ def pretrain(cfg: DictConfig, card: RunCard) -> None:
             data = prepare_pretraining_data(
                 config.data, config.data_cache_root, num_proc=config.impl.preprocessing_procs
             )
+        # GLUE fine-tuning during pretraining, handed to the loop as a hook; its tasks are loaded now
+        hooks = (
+            [AnytimeEval(config.anytime, data, config.impl, config.data_cache_root / "hf")]
+            if config.anytime.at
+            else []
+        )
     except (ConfigError, DataSourceError) as err:
         raise JobFailed(err, exit_code=2) from err
     card.record_pretraining_data(data.path, data.stats, data.vocab_size)
@@ -50,9 +57,9 @@ def pretrain(cfg: DictConfig, card: RunCard) -> None:
     run_dir = distributed.rank_zero_value(ranks, Path(HydraConfig.get().runtime.output_dir))  # one for all
     try:
         with card.timed("train"):
-            result = train(config, data, run_dir)
+            result = train(config, data, run_dir, hooks=hooks)
         distributed.shutdown()
-    except (ConfigError, DataSourceError, KernelUnavailableError) as err:  # data: the anytime GLUE tasks
+    except (ConfigError, DataSourceError, KernelUnavailableError) as err:
         raise JobFailed(err, exit_code=2) from err
     except TrainingDiverged as err:
         raise JobFailed(err, exit_code=3) from err

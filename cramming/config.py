@@ -16,6 +16,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 
 from cramming.data.config import DataConfig
 from cramming.errors import ConfigError, config_error
+from cramming.eval.anytime import AnytimeConfig
 from cramming.eval.config import EvalRunConfig
 from cramming.impl import ImplConfig
 from cramming.model.config import ArchConfig
@@ -43,6 +44,8 @@ class PretrainConfig:
     base_dir: str = "outputs"
     # continue the newest run of this name that left a resumable state; its budget keeps counting
     resume: bool = False
+    # GLUE fine-tuning of the current weights at fractions of the budget (cramming/eval/anytime.py); off by default
+    anytime: AnytimeConfig = field(default_factory=AnytimeConfig)
 
     def __post_init__(self) -> None:
         if self.budget <= 0:

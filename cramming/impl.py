@@ -85,6 +85,11 @@ class ImplConfig:
     def preprocessing_procs(self) -> int:
         return self.num_proc or os.cpu_count() or 1
 
+    def apply_threads(self) -> None:
+        """impl.cpu_threads for this process's PyTorch (every entry point calls this; no-op when unset)."""
+        if self.cpu_threads is not None:
+            torch.set_num_threads(self.cpu_threads)
+
     def torch_device(self) -> torch.device:
         """The device to run on: `auto` is the first GPU when there is one, else the CPU."""
         if self.device == "auto":

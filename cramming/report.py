@@ -160,7 +160,7 @@ def eval_row(run: RunRecord) -> dict:
         "checkpoint": _short(
             card.get("data", {}).get("checkpoint") or card.get("config", {}).get("checkpoint")
         ),
-        "optimizer": m.get("optimizer") or card.get("config", {}).get("eval", {}).get("optim"),
+        "optimizer": m.get("optimizer") or card.get("config", {}).get("eval", {}).get("optim", {}).get("name"),
         **{task: _round(score, 4) for task, score in m.get("scores", {}).items()},
         "glue_average": _round(m.get("glue_average"), 4),
         "eval_s": _round(card.get("seconds", {}).get("eval"), 1),

@@ -113,12 +113,11 @@ def held_out(run_dir: Path, fraction: float, mode: str, args: argparse.Namespace
     masker = MLMMasker(
         MLMConfig(mode=mode, mask_fraction=fraction), data.vocab_size, data.special.all, data.special.mask
     )
-    generator = torch.Generator().manual_seed(0)
     ids = data.validation.with_format("numpy")["input_ids"][:]
     rows = torch.from_numpy(np.asarray(ids, dtype=np.int64))  # (rows, seq)
     loss, correct, predicted = 0.0, 0, 0
-    for batch in rows.split(64):
-        corrupted, labels = masker(batch, generator)
+    for first, batch in zip(range(0, len(rows), 64), rows.split(64), strict=True):
+        corrupted, labels = masker(batch, torch.arange(first, first + len(batch)))
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.gpu):
             out = model(corrupted.to(device), labels.to(device))
         target = out.labels != IGNORE_INDEX

@@ -53,6 +53,7 @@ from cramming.optim import OptimConfig, build_optimizer  # noqa: E402
 from cramming.train.batches import microbatches  # noqa: E402
 from cramming.train.config import MLMConfig  # noqa: E402
 from cramming.train.mlm import MLMMasker  # noqa: E402
+from cramming.train.step import TrainStep  # noqa: E402
 
 SPECIAL = (0, 1, 2, 3, 4)  # [PAD] [UNK] [CLS] [SEP] [MASK], as every tokenizer of the pipeline places them
 MASK_ID = 4
@@ -133,13 +134,14 @@ class Candidate:
 
 
 def make_step(model, optimizer, device: torch.device, dtype: torch.dtype, forward) -> Callable:
+    """One update of the training loop's own step (cramming.train.step), clipping at the recipe's 0.5."""
+    train_step = TrainStep(model, optimizer, device_type=device.type, dtype=dtype, grad_clip=0.5)
+
     def step(corrupted: torch.Tensor, labels: torch.Tensor) -> None:
-        with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
+        with train_step.autocast():
             loss = forward(corrupted, labels)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        train_step.backward(loss)
+        train_step.apply(loss.detach())
 
     return step
 
@@ -195,14 +197,15 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def run_steps(candidate: Candidate, batches, masker, generator, device, steps: int) -> tuple[float, float]:
+def run_steps(candidate: Candidate, batches, masker, device, steps: int) -> tuple[float, float]:
     """(seconds per step, seconds per step in the data path) over `steps` steps."""
     sync(device)
     data_seconds = 0.0
     start = time.perf_counter()
     for _ in range(steps):
         fetch = time.perf_counter()
-        corrupted, labels = masker(next(batches), generator)
+        ids = next(batches)
+        corrupted, labels = masker(ids, torch.arange(ids.shape[0]))
         if device.type == "cuda":
             corrupted, labels = corrupted.pin_memory(), labels.pin_memory()
         corrupted = corrupted.to(device, non_blocking=True)
@@ -245,7 +248,7 @@ def probe_memory(args: argparse.Namespace) -> None:
     candidate = (build_ours if args.probe == "ours" else build_hf)(arch, vocab, args, device, dtype)
     masker = MLMMasker(MLMConfig(), vocab, SPECIAL, MASK_ID)
     batches = iter(microbatches(rows, args.microbatch, 0, 0, num_workers=0, pin_memory=False))
-    run_steps(candidate, batches, masker, torch.Generator().manual_seed(0), device, 2)
+    run_steps(candidate, batches, masker, device, 2)
     print(json.dumps({"peak_bytes": memory_status("VmHWM") - base}))
 
 
@@ -279,12 +282,11 @@ def measure(args: argparse.Namespace) -> dict:
     if not args.no_hf:
         candidates.append(build_hf(arch, vocab, args, device, dtype))
     masker = MLMMasker(MLMConfig(), vocab, SPECIAL, MASK_ID)
-    generator = torch.Generator().manual_seed(0)
     batches = iter(
         microbatches(rows, args.microbatch, 0, 0, num_workers=args.workers, pin_memory=device.type == "cuda")
     )
     for c in candidates:  # warm-up: lazy optimizer state, compilation, loader workers
-        run_steps(c, batches, masker, generator, device, args.warmup)
+        run_steps(c, batches, masker, device, args.warmup)
         c.own_bytes = own_bytes(c.optimizer)
     peaks = []
     for _ in range(args.rounds):
@@ -293,7 +295,7 @@ def measure(args: argparse.Namespace) -> dict:
             if device.type == "cuda":
                 before = torch.cuda.memory_allocated(device)
                 torch.cuda.reset_peak_memory_stats(device)
-            seconds, data_seconds = run_steps(c, batches, masker, generator, device, args.steps)
+            seconds, data_seconds = run_steps(c, batches, masker, device, args.steps)
             c.seconds.append(seconds)
             c.data_seconds.append(data_seconds)
             if (
@@ -312,7 +314,7 @@ def measure(args: argparse.Namespace) -> dict:
         if device.type == "cuda":
             activities.append(torch.profiler.ProfilerActivity.CUDA)
         with torch.profiler.profile(activities=activities) as prof:
-            run_steps(candidates[0], batches, masker, generator, device, args.profile)
+            run_steps(candidates[0], batches, masker, device, args.profile)
         sort = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
         profile = prof.key_averages().table(sort_by=sort, row_limit=15, max_name_column_width=60)
     return {

@@ -3,7 +3,7 @@ state untouched. Fine-tuning itself is replaced by a stand-in here (tests/test_s
 
 from __future__ import annotations
 
-from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -17,8 +17,7 @@ from cramming.eval.anytime import AnytimeConfig, AnytimeEval
 from cramming.eval.config import EvalConfig
 from cramming.eval.finetune import TaskResult
 from cramming.impl import ImplConfig
-from cramming.model import ArchConfig, build_model
-from cramming.model.checkpoint import MODEL_CONFIG
+from cramming.model import ArchConfig, Encoder, build_model
 
 TINY = ArchConfig(name="tiny", num_layers=1, hidden_size=32, num_heads=2, intermediate_size=64)
 
@@ -35,9 +34,15 @@ class ManualClock:
 def anytime(tmp_path, glue_dir, monkeypatch):
     clock = ManualClock()
     seen = []
+    models = []
 
-    def fake_finetune(task, splits, checkpoint, cfg, impl, seed, budget=None):
-        assert (Path(checkpoint) / MODEL_CONFIG).is_file()  # the current weights, saved as a checkpoint
+    def fake_finetune(task, splits, backbone, cfg, impl, seed, budget=None):
+        # the current weights, in memory: a copy, with the arch's fine-tuning dropout
+        assert isinstance(backbone.encoder, Encoder) and backbone.dropout == TINY.dropout
+        assert not any(
+            backbone.encoder.state_dict()[k].data_ptr() == v.data_ptr()
+            for k, v in models[-1].encoder.state_dict().items()
+        )
         seen.append(task.name)
         torch.rand(3)  # fine-tuning draws random numbers too
         clock.now += 50.0  # each task takes 50 s
@@ -52,25 +57,25 @@ def anytime(tmp_path, glue_dir, monkeypatch):
         cfg = AnytimeConfig(
             at=list(at), charged=charged, recipe=EvalConfig(tasks=["RTE", "SST-2"], glue_dir=str(glue_dir))
         )
-        evaluator = AnytimeEval(
-            cfg, tokenizer=tokenizer, seq_length=32, special=SpecialTokens(), impl=ImplConfig(device="cpu"),
-            run_dir=tmp_path, cache_dir=tmp_path / "hf", fraction_done=fraction_done,
-        )  # fmt: skip
-        return evaluator, BudgetClock(1000 / 3600, clock), clock, seen
+        data = SimpleNamespace(tokenizer=tokenizer, special=SpecialTokens())
+        evaluator = AnytimeEval(cfg, data, ImplConfig(device="cpu"), tmp_path / "hf")
+        evaluator.start(fraction_done)
+        return evaluator, BudgetClock(1000 / 3600, clock), clock, seen, models
 
     return make
 
 
 @pytest.mark.parametrize("charged", [False, True])
 def test_evaluates_once_per_fraction_and_charges_the_budget_or_not(anytime, charged):
-    evaluator, budget, clock, seen = anytime(charged)
+    evaluator, budget, clock, seen, models = anytime(charged)
     model = build_model(TINY, 64)
+    models.append(model)
     clock.now = 200.0  # 20% of the budget
     assert not evaluator.due(budget.fraction())
     clock.now = 300.0
     assert evaluator.due(budget.fraction())
     rng_before = torch.get_rng_state()
-    record = evaluator.evaluate(model, budget, update=7)
+    record = evaluator(model, budget, update=7)
     assert torch.equal(torch.get_rng_state(), rng_before)
     assert seen == ["RTE", "SST-2"]
     assert record["anytime_fraction"] == 0.25 and record["budget_fraction"] == pytest.approx(0.3)
@@ -84,10 +89,10 @@ def test_evaluates_once_per_fraction_and_charges_the_budget_or_not(anytime, char
 
 
 def test_a_resumed_run_skips_the_fractions_it_passed(anytime):
-    evaluator, _, _, _ = anytime(False, at=(0.25, 0.5, 1.0), fraction_done=0.4)
+    evaluator, *_ = anytime(False, at=(0.25, 0.5, 1.0), fraction_done=0.4)
     assert evaluator.pending == [0.5, 1.0]
 
 
 def test_fractions_are_checked():
-    with pytest.raises(ConfigError, match="train.anytime.at"):
+    with pytest.raises(ConfigError, match="anytime.at"):
         AnytimeConfig(at=[0.5, 1.5])

@@ -138,6 +138,8 @@ def test_training_run_with_auto(tmp_path):
     cfg = make_config(tmp_path, "impl.microbatch_size=auto", "train.steps=2", "budget=1")
     result = loop.train(cfg, synthetic_data(tmp_path / "data"), tmp_path / "run")
     assert result.stop_reason == "steps"
-    assert cfg.impl.microbatch_size in autobatch.powers_of_two(cfg.train.batch_size)
+    assert cfg.impl.microbatch_size == "auto"  # the choice is passed down, the config is never written
     (record,) = json.loads((tmp_path / autobatch.CACHE_FILE).read_text()).values()
-    assert record["microbatch_size"] == cfg.impl.microbatch_size
+    assert record["microbatch_size"] in autobatch.powers_of_two(cfg.train.batch_size)
+    # every update trained on whole micro-batches of the chosen size
+    assert result.progress.rows == 2 * cfg.train.batch_size

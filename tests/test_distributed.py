@@ -12,6 +12,7 @@ masking: every row has the same number of masked tokens). What remains is float 
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
@@ -26,7 +27,7 @@ from test_train import make_config, read_metrics, run_dir, synthetic_data
 from cramming.errors import ConfigError
 from cramming.model import checkpoint as model_checkpoint
 from cramming.train import checkpoint, distributed, loop
-from cramming.train.batches import RowStream
+from cramming.train.batches import RowStream, numbered
 from cramming.train.mlm import MLMMasker
 
 REPO = Path(__file__).resolve().parent.parent
@@ -204,6 +205,7 @@ def test_torchrun_pretrain_py(tmp_path):
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
     overrides = ["data=embedded", "arch=tiny", "budget=0.003", "name=pair", f"base_dir={tmp_path}"]
     overrides += ["impl.device=cpu", "impl.num_workers=0", "impl.microbatch_size=8", "train.batch_size=32"]
+    overrides += ["train.batch_size_start=16"]  # the ramp is defined in sequences, not micro-batches
     done = subprocess.run(
         [*command, str(REPO / "pretrain.py"), *overrides, "train.log_every=5"],
         cwd=REPO,
@@ -217,7 +219,7 @@ def test_torchrun_pretrain_py(tmp_path):
     assert (run / model_checkpoint.CHECKPOINT_DIR / model_checkpoint.WEIGHTS).is_file()
     updates = [r["update"] for r in read_metrics(run) if "loss" in r]
     assert updates and updates == sorted(set(updates))  # one writer
-    assert read_metrics(run)[0]["batch_size"] == 16  # the ramp starts at one global micro-batch: 2 x 8
+    assert read_metrics(run)[0]["batch_size"] == 16  # the ramp starts at batch_size_start: 2 ranks x 8
     assert "torchrun: 2 processes, ddp over gloo" in done.stdout + done.stderr
 
 
@@ -258,17 +260,19 @@ def test_shards_partition_each_global_microbatch(tmp_path):
 
 
 def test_masks_do_not_depend_on_the_rank(tmp_path):
+    """The loop's batches carry stream positions: a rank masks its slice as one process masks the whole."""
     data = synthetic_data(tmp_path)
     masker = MLMMasker(make_config(tmp_path).train.mlm, data.vocab_size, data.special.all, data.special.mask)
-    rows = RowStream(data.train, 12, seed=0)[0]
-    expected = masker(rows, torch.Generator().manual_seed(5))
+    whole = list(itertools.islice(numbered(RowStream(data.train, 12, seed=0), 0, 12), 2))
     for rank in range(3):
-        ranks = distributed.Ranks(rank=rank, world_size=3)
-        got = distributed.mask_local_rows(
-            masker, rows[4 * rank : 4 * (rank + 1)], torch.Generator().manual_seed(5), ranks
-        )
-        for ours, theirs in zip(got, expected, strict=True):
-            torch.testing.assert_close(ours, theirs[4 * rank : 4 * (rank + 1)], rtol=0, atol=0)
+        shard = RowStream(data.train, 4, seed=0, rank=rank, world_size=3)
+        for (positions, rows), (all_positions, all_rows) in zip(
+            numbered(shard, 0, 4, rank, 3), whole, strict=False
+        ):
+            mine = slice(4 * rank, 4 * (rank + 1))
+            torch.testing.assert_close(positions, all_positions[mine], rtol=0, atol=0)
+            for ours, theirs in zip(masker(rows, positions), masker(all_rows, all_positions), strict=True):
+                torch.testing.assert_close(ours, theirs[mine], rtol=0, atol=0)
 
 
 def test_optimizer_state_by_name_and_back(tmp_path):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -11,13 +12,14 @@ import pytest
 from cramming.data.config import NormalizerConfig, TokenizerConfig
 from cramming.data.tokenizer import SpecialTokens, build_normalizer, train_tokenizer
 from cramming.eval.config import EvalConfig, EvalRunConfig
-from cramming.eval.finetune import finetune, lr_factor
+from cramming.eval.finetune import finetune
 from cramming.eval.glue_data import load_local
-from cramming.eval.run import RESULTS_JSON, RESULTS_TABLE, run_glue
+from cramming.eval.run import RESULTS_JSON, RESULTS_TABLE, checkpoint_backbone, run_glue
 from cramming.eval.tasks import GLUE_TASKS
 from cramming.impl import ImplConfig
 from cramming.model import ArchConfig, build_model
 from cramming.model.checkpoint import resolve_checkpoint, save_pretrained
+from cramming.train.schedules import LR_SCHEDULES, step_progress
 
 GLUE_DIR = Path(__file__).resolve().parents[2] / "shared" / "data" / "glue"
 TINY = ArchConfig(name="tiny", num_layers=2, hidden_size=64, num_heads=2, intermediate_size=128, dropout=0.0)
@@ -60,11 +62,11 @@ def sst2(tmp_path_factory):
 def test_every_optimizer_family_fits_the_training_subset(sst2, optim):
     """A tiny model fine-tuned on 160 SST-2 sentences beats the majority class on those sentences."""
     subset, checkpoint = sst2
-    cfg = EvalConfig(
-        tasks=["SST-2"], optim=optim, lr=2e-3, epochs=8, batch_size=16, rank=8, scale=1.0, update_proj_gap=50
-    )
+    settings = replace(EvalConfig().optim, name=optim, lr=2e-3, rank=8, scale=1.0, update_proj_gap=50)
+    cfg = EvalConfig(tasks=["SST-2"], optim=settings, epochs=8, batch_size=16)
     splits = {"train": subset, "dev": subset}  # evaluated on what it was trained on: can it learn at all
-    result = finetune(GLUE_TASKS["SST-2"], splits, str(checkpoint), cfg, ImplConfig(device="cpu"), seed=0)
+    impl = ImplConfig(device="cpu")
+    result = finetune(GLUE_TASKS["SST-2"], splits, checkpoint_backbone(checkpoint, impl), cfg, impl, seed=0)
     labels = np.asarray(subset["label"])
     majority = max(labels.mean(), 1 - labels.mean())
     accuracy = result.metrics["SST-2"]["accuracy"]
@@ -77,12 +79,12 @@ def test_run_glue_writes_tables_and_skips_missing_tasks(sst2, tmp_path, glue_dir
     cfg = EvalRunConfig(
         eval=EvalConfig(
             tasks=["RTE", "STS-B", "QQP"], glue_dir=str(glue_dir), epochs=1, max_train_examples=48,
-            max_eval_examples=40, lr=1e-3,
+            max_eval_examples=40, optim=replace(EvalConfig().optim, lr=1e-3),
         ),
         impl=ImplConfig(device="cpu"),
         checkpoint=str(checkpoint),
     )  # fmt: skip
-    report = run_glue(cfg, checkpoint, tmp_path)
+    report = run_glue(cfg, checkpoint_backbone(checkpoint, cfg.impl), tmp_path)
     assert report["skipped_no_data"] == ["QQP"]
     assert set(report["scores"]) == {"RTE", "STS-B"}
     assert report["scores"]["STS-B"]["metric"] == "pearson"
@@ -109,7 +111,8 @@ def test_eval_budget_stops_before_later_tasks(sst2, tmp_path, glue_dir):
         checkpoint=str(checkpoint),
         budget=1.5,
     )
-    report = run_glue(cfg, checkpoint, tmp_path, clock=lambda: float(next(ticks)))
+    backbone = checkpoint_backbone(checkpoint, cfg.impl)
+    report = run_glue(cfg, backbone, tmp_path, clock=lambda: float(next(ticks)))
     assert report["not_run_budget"] == ["MRPC"]
     assert report["runs"][0]["stopped_by_budget"]
     assert "Not run (the eval budget ran out first): MRPC." in (tmp_path / RESULTS_TABLE).read_text()
@@ -129,7 +132,10 @@ def test_checkpoint_lookup_by_name_and_path(sst2, tmp_path):
 
 def test_schedule_warms_up_then_decays():
     total = 100
-    factors = [lr_factor(s, total, 0.1, "cosine") for s in range(total)]
+    # fine-tuning's schedule comes from the one registry (steps-cosine), counting the update being applied
+    schedule = LR_SCHEDULES[EvalConfig().schedule]
+    factors = [schedule.factor(step_progress(s, total), 0.1) for s in range(total)]
     assert factors[0] == pytest.approx(0.1) and factors[9] == pytest.approx(1.0)
-    assert factors[10] == pytest.approx(1.0) and factors[-1] < 0.01
+    # the decay starts right after the warm-up (before the registry: one step later)
+    assert factors[10] == pytest.approx(1.0, abs=1e-3) and factors[-1] < 0.01
     assert all(a >= b for a, b in zip(factors[10:], factors[11:], strict=False))

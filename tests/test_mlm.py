@@ -23,8 +23,9 @@ def rows(batch=512, seq=128):
 
 
 def mask(ids, seed=0, **cfg):
-    masker = MLMMasker(MLMConfig(**cfg), VOCAB, SPECIAL, MASK)
-    return masker(ids, torch.Generator().manual_seed(seed))
+    """Mask `ids` as stream rows 0..batch-1 of a run with `seed`."""
+    masker = MLMMasker(MLMConfig(**cfg), VOCAB, SPECIAL, MASK, seed=seed)
+    return masker(ids, torch.arange(ids.shape[0]))
 
 
 def test_count_mode_masks_a_fixed_number_per_row():
@@ -92,3 +93,19 @@ def test_masking_is_reproducible_from_the_generator():
     a, b, c = mask(ids, seed=1), mask(ids, seed=1), mask(ids, seed=2)
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
     assert not torch.equal(a[1], c[1])
+
+
+def test_a_rows_mask_depends_on_its_stream_position_and_seed_only():
+    """Masks keyed by (seed, stream row): any split into micro-batches gives the same masks (the micro-batch
+    size changes no result, and a resume needs no masking state); other rows, seeds differ."""
+    ids = rows(batch=64)
+    masker = MLMMasker(MLMConfig(), VOCAB, SPECIAL, MASK, seed=3)
+    positions = torch.arange(1000, 1064)
+    whole = masker(ids, positions)
+    for size in (1, 7, 16):
+        parts = [masker(i, p) for i, p in zip(ids.split(size), positions.split(size), strict=True)]
+        for k in range(2):
+            assert torch.equal(torch.cat([part[k] for part in parts]), whole[k])
+    other_rows = masker(ids, positions + 64)[1]
+    other_seed = MLMMasker(MLMConfig(), VOCAB, SPECIAL, MASK, seed=4)(ids, positions)[1]
+    assert not torch.equal(other_rows, whole[1]) and not torch.equal(other_seed, whole[1])

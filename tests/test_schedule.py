@@ -36,6 +36,8 @@ def test_schedule_clocks():
         "budget-cosine": "budget",
         "budget-constant": "budget",
         "steps-linear": "steps",
+        "steps-cosine": "steps",  # fine-tuning (eval.schedule) takes its schedule from this registry too
+        "steps-constant": "steps",
     }
 
 

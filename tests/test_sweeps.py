@@ -64,11 +64,11 @@ def pretrain_sweep(base_dir, glue_dir_module) -> subprocess.CompletedProcess:
         "impl.microbatch_size=16",
         "train.batch_size=32",
         "train.log_every=5",
-        "train.anytime.at=[1.0]",
-        f"train.anytime.recipe.glue_dir={glue_dir_module}",
-        "train.anytime.recipe.tasks=[RTE]",
-        "train.anytime.recipe.max_train_examples=32",
-        "train.anytime.recipe.max_eval_examples=32",
+        "anytime.at=[1.0]",
+        f"anytime.recipe.glue_dir={glue_dir_module}",
+        "anytime.recipe.tasks=[RTE]",
+        "anytime.recipe.max_train_examples=32",
+        "anytime.recipe.max_eval_examples=32",
         *(["train.tensorboard=true"] if HAS_TENSORBOARD else []),
         "budget=0.004,-1",  # 14 s; set-up is on the budget's clock and takes seconds on a loaded CPU
         "train/optim=adamw,adamw_8bit",
@@ -97,7 +97,7 @@ def eval_sweep(base_dir, pretrain_sweep, glue_dir_module) -> subprocess.Complete
         "eval.max_train_examples=32",
         "eval.max_eval_examples=32",
         "impl.device=cpu",
-        "eval.optim=adamw,adamw_8bit",
+        "eval.optim.name=adamw,adamw_8bit",
     )
 
 

@@ -1,15 +1,16 @@
 """Anytime evaluation: fine-tune the weights of a running pretraining on a small fixed GLUE subset at given
 fractions of its budget, so the learning curve of downstream quality is visible, not only its end point.
 
-Each evaluation saves the current weights as a checkpoint (`{run_dir}/anytime/checkpoint`, replaced each
-time) and runs eval.py's `finetune()` on it for every task of the recipe: the same fine-tuning as a full
-GLUE run, on fewer examples. Its time counts against the pretraining budget (`charged: true`) or pauses the
+pretrain.py hands an `AnytimeEval` to the loop as a hook; each evaluation fine-tunes a copy of the current
+encoder in memory (nothing is written to disk) with eval.py's fine-tuning for every task of the recipe: the
+same fine-tuning as a full GLUE run, on fewer examples. Its time counts against the pretraining budget (`charged: true`) or pauses the
 budget clock (`charged: false`, the default: the curve then shows what the run would reach without it).
 The scores go into metrics.jsonl as records with `anytime_fraction` and `anytime` (entry -> score).
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 import random
 import time
@@ -17,20 +18,23 @@ from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-from tokenizers import Tokenizer
 from torch import nn
 
 from cramming.budget import BudgetClock
 from cramming.errors import DataSourceError, config_error
+from cramming.eval.backbone import Backbone
 from cramming.eval.config import EvalConfig
 from cramming.eval.scores import glue_average, summarize
 from cramming.eval.tasks import GLUE_TASKS
 from cramming.impl import ImplConfig
-from cramming.model.checkpoint import save_pretrained
+from cramming.model.checkpoint import unwrap
+
+if TYPE_CHECKING:
+    from cramming.data import PretrainingData
 
 log = logging.getLogger("cramming")
 
@@ -57,7 +61,7 @@ class AnytimeConfig:
 
     def __post_init__(self) -> None:
         if any(not 0.0 < f <= 1.0 for f in self.at):
-            raise config_error("train.anytime.at", self.at, "use fractions of the budget in (0, 1]")
+            raise config_error("anytime.at", self.at, "use fractions of the budget in (0, 1]")
 
 
 @contextmanager
@@ -76,25 +80,14 @@ def preserved_rng() -> Iterator[None]:
 
 
 class AnytimeEval:
-    """Evaluates at each configured fraction once; a resumed run skips the fractions already passed."""
+    """The loop's evaluation hook: evaluates at each configured fraction once; a resumed run skips the
+    fractions already passed."""
 
-    def __init__(
-        self,
-        cfg: AnytimeConfig,
-        *,
-        tokenizer: Tokenizer,
-        seq_length: int,
-        special: Any,
-        impl: ImplConfig,
-        run_dir: Path,
-        cache_dir: Path,
-        fraction_done: float = 0.0,
-    ):
-        self.cfg = cfg
-        self.tokenizer, self.seq_length, self.special, self.impl = tokenizer, seq_length, special, impl
-        self.folder = Path(run_dir) / "anytime" / "checkpoint"
-        self.pending = sorted(f for f in cfg.at if f > fraction_done)
-        # loaded once, at set-up: a task that cannot be had fails now, not in the middle of the run
+    def __init__(self, cfg: AnytimeConfig, data: PretrainingData, impl: ImplConfig, cache_dir: Path):
+        self.cfg, self.impl = cfg, impl
+        self.tokenizer, self.pad_id = data.tokenizer, data.special.pad
+        self.pending = sorted(cfg.at)
+        # loaded once, before training: a task that cannot be had fails now, not in the middle of the run
         self.tasks = [GLUE_TASKS[name] for name in cfg.recipe.tasks]
         # imported here: `datasets` stays out of the import chain of the training config (the GPU check
         # machine has no `datasets`)
@@ -106,39 +99,34 @@ class AnytimeEval:
             }
         except DataSourceError as err:
             raise DataSourceError(
-                f"train.anytime: {err} (for anytime evaluation: train.anytime.recipe.glue_dir)"
+                f"anytime: {err} (for anytime evaluation: anytime.recipe.glue_dir)"
             ) from err
+
+    def start(self, fraction_done: float) -> None:
+        self.pending = [f for f in self.pending if f > fraction_done]
 
     def due(self, fraction: float) -> bool:
         return bool(self.pending) and fraction >= self.pending[0]
 
-    def evaluate(self, model: nn.Module, clock: BudgetClock, update: int) -> dict:
-        """Fine-tune the current weights on every task; returns the metrics record."""
+    def __call__(self, model: nn.Module, clock: BudgetClock, update: int) -> dict:
+        """Fine-tune copies of the current encoder on every task; returns the metrics record."""
         fraction = clock.fraction()
         target = max(f for f in self.pending if f <= fraction)  # the fraction this evaluation stands for
         self.pending = [f for f in self.pending if f > fraction]
         start = time.perf_counter()
         with nullcontext() if self.cfg.charged else clock.paused(), preserved_rng():
-            save_pretrained(
-                model,
-                self.folder,
-                self.tokenizer,
-                seq_length=self.seq_length,
-                special=self.special,
-                info={"anytime_fraction": fraction, "update": update},
-            )
             # imported here: the fine-tuning stack loads `evaluate` (and with it transformers), seconds that
             # a pretraining run without anytime evaluation should not spend at start-up
-            from cramming.eval.finetune import finetune
+            from cramming.eval.finetune import finetune_tasks
 
-            per_entry: dict[str, list[dict[str, float]]] = {}
-            for task in self.tasks:
-                result = finetune(
-                    task, self.splits[task.name], str(self.folder), self.cfg.recipe, self.impl, self.cfg.seed
-                )
-                for entry, metrics in result.metrics.items():
-                    per_entry.setdefault(entry, []).append(metrics)
-        scores = summarize(per_entry)
+            glue = finetune_tasks(
+                [(task, self.splits[task.name]) for task in self.tasks],
+                self.backbone(model),
+                self.cfg.recipe,
+                self.impl,
+                [self.cfg.seed],
+            )
+        scores = summarize(glue.per_entry)
         average, _ = glue_average(scores)
         record = {
             "update": update,
@@ -159,3 +147,11 @@ class AnytimeEval:
             ", ".join(f"{entry} {100 * s:.1f}" for entry, s in record["anytime"].items()),
         )
         return record
+
+    def backbone(self, model: nn.Module) -> Backbone:
+        """The pretraining model's encoder with the arch's fine-tuning dropout (pretraining runs without);
+        fine-tuning copies it again for each task, so the pretraining weights are never touched."""
+        plain = unwrap(model)
+        encoder = copy.deepcopy(plain.encoder)
+        encoder.set_dropout(plain.arch.dropout)
+        return Backbone(encoder, plain.arch.hidden_size, plain.arch.dropout, self.tokenizer, self.pad_id)

@@ -6,13 +6,30 @@ from dataclasses import dataclass, field
 
 from omegaconf import MISSING
 
-from cramming.errors import ConfigError, check_choice, config_error
+from cramming.errors import check_choice, config_error
 from cramming.eval.tasks import GLUE_SANE, GLUE_TASKS
 from cramming.impl import ImplConfig
 from cramming.optim import OPTIMIZERS
 from cramming.optim.config import OptimConfig
+from cramming.train.schedules import LR_SCHEDULES
 
-SCHEDULES = ("cosine", "linear", "constant")
+# fine-tuning runs a known number of steps: the schedules of LR_SCHEDULES that count steps
+SCHEDULES = tuple(name for name, schedule in LR_SCHEDULES.items() if schedule.clock == "steps")
+
+
+def _glue_sane_optim() -> OptimConfig:
+    """GLUE-sane's AdamW (lr 4e-5, betas (0.9, 0.98), eps 1e-6, no weight decay) and GaLore's GLUE settings
+    (rank 8, scale 4, a new projection every 500 steps), read only by galore_* optimizers."""
+    return OptimConfig(
+        name="adamw",
+        lr=4e-5,
+        betas=[0.9, 0.98],
+        eps=1e-6,
+        weight_decay=0.0,
+        rank=8,
+        update_proj_gap=500,
+        scale=4.0,
+    )
 
 
 @dataclass
@@ -36,19 +53,10 @@ class EvalConfig:
     batch_size: int = 16
     # inputs are truncated to this many tokens; batches are padded to their longest input only
     max_length: int = 128
-    # the optimizer, by its Hugging Face `optim` name (any of train/optim), and its settings
-    optim: str = "adamw"
-    lr: float = 4e-5
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.98])
-    eps: float = 1e-6
-    weight_decay: float = 0.0
-    # GaLore's `optim_args` for fine-tuning (the paper's GLUE settings); read only by galore_* optimizers
-    rank: int = 8
-    update_proj_gap: int = 500
-    scale: float = 4.0
-    proj_type: str = "std"
-    target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
-    schedule: str = "cosine"
+    # the optimizer: eval.optim.name is any train/optim name; its settings as in train.optim
+    optim: OptimConfig = field(default_factory=_glue_sane_optim)
+    # a steps-* schedule of cramming.train.schedules.LR_SCHEDULES
+    schedule: str = "steps-cosine"
     # fraction of the steps spent warming up linearly
     warmup: float = 0.1
     # global gradient-norm clipping; null: none (GLUE-sane does not clip)
@@ -66,7 +74,8 @@ class EvalConfig:
         for task in self.per_task:
             check_choice("eval.per_task", task, GLUE_TASKS)
         check_choice("eval.schedule", self.schedule, SCHEDULES)
-        check_choice("eval.optim", self.optim, OPTIMIZERS)
+        check_choice("eval.optim.name", self.optim.name, OPTIMIZERS)
+        self.optim.check("eval.optim")
         for key in ("epochs", "batch_size", "max_length"):
             if getattr(self, key) < 1:
                 raise config_error(f"eval.{key}", getattr(self, key), "use a positive integer")
@@ -74,34 +83,13 @@ class EvalConfig:
             raise config_error("eval.warmup", self.warmup, "use a fraction in [0, 1)")
         if not self.seeds:
             raise config_error("eval.seeds", self.seeds, "give at least one seed, e.g. [0] or [0,1,2,3,4]")
-        self.optim_config()  # validates the optimizer settings now, not after the first task
-
-    def optim_config(self, lr: float | None = None) -> OptimConfig:
-        """The OptimConfig these settings describe (errors name the eval.* key)."""
-        try:
-            return OptimConfig(
-                name=self.optim,
-                lr=self.lr if lr is None else lr,
-                betas=list(self.betas),
-                eps=self.eps,
-                weight_decay=self.weight_decay,
-                rank=self.rank,
-                update_proj_gap=self.update_proj_gap,
-                scale=self.scale,
-                proj_type=self.proj_type,
-                target_modules=list(self.target_modules),
-            )
-        except ConfigError as err:
-            raise ConfigError(
-                str(err).replace("`train.optim.name`", "`eval.optim`").replace("train.optim.", "eval.")
-            ) from err
 
     def for_task(self, task: str) -> tuple[int, float, int]:
         """(epochs, lr, batch_size) for `task`, after its overrides."""
         over = self.per_task.get(task, TaskOverride())
         return (
             over.epochs or self.epochs,
-            over.lr or self.lr,
+            over.lr or self.optim.lr,
             over.batch_size or self.batch_size,
         )
 

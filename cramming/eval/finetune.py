@@ -3,15 +3,18 @@
 The classifier reads the final hidden state of the first token ([CLS], after the final LayerNorm) through
 dropout and one linear layer: class logits, or one score for STS-B (regression, mean-squared error).
 Batches are padded only to their longest input. Each (task, seed) starts from a fresh copy of the
-pretrained weights.
+pretrained encoder (a `Backbone`: from a checkpoint, a `transformers` folder, or a model in memory).
+Updates go through the one training step (cramming.train.step) at a rate from the one schedule registry.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 import time
-from dataclasses import dataclass
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
 
 import datasets
 import numpy as np
@@ -21,21 +24,22 @@ from tokenizers import Tokenizer
 from torch import nn
 
 from cramming.budget import BudgetClock
+from cramming.eval.backbone import Backbone
 from cramming.eval.config import EvalConfig
 from cramming.eval.glue_metric import load_glue_metric
 from cramming.eval.tasks import GlueTask
 from cramming.impl import ImplConfig
-from cramming.model import Encoder
-from cramming.model.checkpoint import load_pretrained
 from cramming.optim import build_optimizer
-from cramming.optim.base import check_layerwise_loop
+from cramming.optim.config import OptimConfig
+from cramming.train.schedules import LR_SCHEDULES, step_progress
+from cramming.train.step import TrainStep
 from cramming.utils import seed_everything
 
 log = logging.getLogger("cramming")
 
 
 class SequenceClassifier(nn.Module):
-    def __init__(self, encoder: Encoder, hidden_size: int, num_labels: int, dropout: float):
+    def __init__(self, encoder: nn.Module, hidden_size: int, num_labels: int, dropout: float):
         super().__init__()
         self.encoder = encoder
         self.dropout = nn.Dropout(dropout)
@@ -94,19 +98,6 @@ def padded_batch(
     }
 
 
-def lr_factor(step: int, total: int, warmup: float, schedule: str) -> float:
-    """Multiplier of the peak learning rate at `step` of `total`: linear warm-up, then the schedule."""
-    warm = int(warmup * total)
-    if step < warm:
-        return (step + 1) / warm
-    progress = (step - warm) / max(1, total - warm)
-    if schedule == "cosine":
-        return 0.5 * (1.0 + math.cos(math.pi * progress))
-    if schedule == "linear":
-        return 1.0 - progress
-    return 1.0
-
-
 def _loss(logits: torch.Tensor, labels: torch.Tensor, regression: bool) -> torch.Tensor:
     if regression:
         return F.mse_loss(logits.squeeze(-1).float(), labels)
@@ -126,57 +117,40 @@ class TaskResult:
 def finetune(
     task: GlueTask,
     splits: datasets.DatasetDict,
-    checkpoint: str,
+    backbone: Backbone,
     cfg: EvalConfig,
     impl: ImplConfig,
     seed: int,
     clock: BudgetClock | None = None,
 ) -> TaskResult:
-    """Fine-tune a fresh copy of `checkpoint` on `task` and evaluate every evaluation split."""
+    """Fine-tune a fresh copy of `backbone` on `task` and evaluate every evaluation split."""
     start = time.perf_counter()
-    device, dtype = impl.torch_device(), impl.compute_dtype(impl.torch_device())
+    device = impl.torch_device()
     seed_everything(seed)
-    pretrained = load_pretrained(
-        checkpoint,
-        device=device,
-        attention=impl.attention,
-        layernorm=impl.layernorm,
-        strict_kernels=impl.strict_kernels,
-    )
-    arch = pretrained.model.arch
-    model = SequenceClassifier(pretrained.model.encoder, arch.hidden_size, task.num_labels, arch.dropout).to(
-        device
-    )
-    pad_id = pretrained.config["special_tokens"]["pad"]
+    encoder = copy.deepcopy(backbone.encoder).to(device)
+    model = SequenceClassifier(encoder, backbone.hidden_size, task.num_labels, backbone.dropout).to(device)
     epochs, lr, batch_size = cfg.for_task(task.name)
-    train = encode(splits["train"], pretrained.tokenizer, cfg.max_length, cfg.max_train_examples, seed)
-    optimizer = build_optimizer(model, cfg.optim_config(lr), max_grad_norm=cfg.grad_clip)
-    scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
-    check_layerwise_loop(optimizer, grad_accumulation=1, distributed=False, grad_scaler=scaler.is_enabled())
-    peak = [group["lr"] for group in optimizer.param_groups]
-    steps_per_epoch = math.ceil(len(train) / batch_size)
-    total = epochs * steps_per_epoch
+    train = encode(splits["train"], backbone.tokenizer, cfg.max_length, cfg.max_train_examples, seed)
+    optimizer = build_optimizer(model, _with_lr(cfg, lr), max_grad_norm=cfg.grad_clip, scope="eval.optim")
+    step = TrainStep(
+        model, optimizer, device_type=device.type, dtype=impl.compute_dtype(device), grad_clip=cfg.grad_clip
+    )
+    schedule = LR_SCHEDULES[cfg.schedule]
+    total = epochs * math.ceil(len(train) / batch_size)
     rng = np.random.default_rng(seed)
-    step, loss_value, stopped = 0, float("nan"), False
+    loss_value, stopped = float("nan"), False
     model.train()
     for epoch in range(epochs):
         order = rng.permutation(len(train))
         epoch_start, epoch_loss, seen = time.perf_counter(), 0.0, 0
         for first in range(0, len(order), batch_size):
-            batch = padded_batch(train, order[first : first + batch_size], pad_id, device)
-            for group, top in zip(optimizer.param_groups, peak, strict=True):
-                group["lr"] = top * lr_factor(step, total, cfg.warmup, cfg.schedule)
-            with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
+            batch = padded_batch(train, order[first : first + batch_size], backbone.pad_id, device)
+            with step.autocast():
                 logits = model(batch["input_ids"], batch["attention_mask"], batch["token_type_ids"])
             loss = _loss(logits, batch["labels"], task.is_regression)
-            scaler.scale(loss).backward()
-            if cfg.grad_clip is not None and not getattr(optimizer, "layerwise", False):
-                scaler.unscale_(optimizer)
-                nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-            scaler.step(optimizer)
-            scaler.update()
-            optimizer.zero_grad(set_to_none=True)
-            step += 1
+            step.backward(loss)
+            updates = step.stats.applied + step.stats.skipped
+            step.apply(loss.detach(), schedule.factor(step_progress(updates, total), cfg.warmup))
             loss_value = loss.item()
             epoch_loss += loss_value * len(batch["labels"])
             seen += len(batch["labels"])
@@ -191,29 +165,76 @@ def finetune(
         )  # fmt: skip
         if stopped:
             break
-    metrics = {
-        task.entry_name(split): evaluate(
-            model, task, splits[split or "dev"], pretrained.tokenizer, cfg, pad_id, seed
+    if step.stats.skipped:
+        log.warning(
+            "%s seed %d: %d updates skipped for a non-finite loss or gradient",
+            task.name,
+            seed,
+            step.stats.skipped,
         )
+    metrics = {
+        task.entry_name(split): evaluate(model, task, splits[split or "dev"], backbone, cfg, seed)
         for split, _, _ in task.eval_splits
     }
-    return TaskResult(metrics, len(train), step, time.perf_counter() - start, loss_value, stopped)
+    steps = step.stats.applied + step.stats.skipped
+    return TaskResult(metrics, len(train), steps, time.perf_counter() - start, loss_value, stopped)
+
+
+def _with_lr(cfg: EvalConfig, lr: float) -> OptimConfig:
+    """eval.optim at a task's learning rate (eval.per_task may change it)."""
+    return OptimConfig(**{**asdict(cfg.optim), "lr": lr})
+
+
+@dataclass
+class GlueRuns:
+    """Every (task, seed) fine-tuned on one backbone: metrics per entry, one record per run."""
+
+    per_entry: dict[str, list[dict[str, float]]] = field(default_factory=dict)
+    runs: list[dict] = field(default_factory=list)
+    not_run: list[str] = field(default_factory=list)  # tasks not started: the budget was spent
+
+
+def finetune_tasks(
+    jobs: Iterable[tuple[GlueTask, datasets.DatasetDict]],
+    backbone: Backbone,
+    cfg: EvalConfig,
+    impl: ImplConfig,
+    seeds: list[int],
+    clock: BudgetClock | None = None,
+) -> GlueRuns:
+    """Fine-tune `backbone` on each task with each seed, until `clock` (if any) runs out."""
+    out = GlueRuns()
+    for task, splits in jobs:
+        if clock is not None and clock.expired():
+            out.not_run.append(task.name)
+            continue
+        for seed in seeds:
+            result = finetune(task, splits, backbone, cfg, impl, seed, clock)
+            for entry, metrics in result.metrics.items():
+                out.per_entry.setdefault(entry, []).append(metrics)
+                log.info(
+                    "%s seed %d: %s", entry, seed, ", ".join(f"{k} {100 * v:.2f}" for k, v in metrics.items())
+                )
+            out.runs.append({"task": task.name, "seed": seed} | asdict(result))
+            if result.stopped_by_budget:
+                break
+    return out
 
 
 @torch.no_grad()
 def evaluate(
-    model: SequenceClassifier, task: GlueTask, split: datasets.Dataset, tokenizer: Tokenizer, cfg: EvalConfig,
-    pad_id: int, seed: int,
+    model: SequenceClassifier, task: GlueTask, split: datasets.Dataset, backbone: Backbone, cfg: EvalConfig,
+    seed: int,
 ) -> dict[str, float]:  # fmt: skip
     device = next(model.parameters()).device
-    data = encode(split, tokenizer, cfg.max_length, cfg.max_eval_examples, seed)
+    data = encode(split, backbone.tokenizer, cfg.max_length, cfg.max_eval_examples, seed)
     model.eval()
     predictions = []
     # longest first: batches of similar length pad little
     order = np.argsort([-len(x) for x in data.ids], kind="stable")
     for first in range(0, len(order), 4 * cfg.batch_size):
         index = order[first : first + 4 * cfg.batch_size]
-        batch = padded_batch(data, index, pad_id, device)
+        batch = padded_batch(data, index, backbone.pad_id, device)
         logits = model(batch["input_ids"], batch["attention_mask"], batch["token_type_ids"]).float()
         predictions.append(logits.squeeze(-1) if task.is_regression else logits.argmax(-1))
     model.train()

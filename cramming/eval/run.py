@@ -11,12 +11,14 @@ from pathlib import Path
 
 from cramming.budget import BudgetClock
 from cramming.errors import DataSourceError
+from cramming.eval.backbone import Backbone
 from cramming.eval.config import EvalRunConfig
-from cramming.eval.finetune import finetune
+from cramming.eval.finetune import finetune_tasks
 from cramming.eval.glue_data import load_task
 from cramming.eval.scores import glue_average, markdown_table, summarize
 from cramming.eval.tasks import GLUE_TASKS
-from cramming.model.checkpoint import MODEL_CONFIG
+from cramming.impl import ImplConfig
+from cramming.model.checkpoint import load_pretrained
 from cramming.utils import atomic_write_text
 
 log = logging.getLogger("cramming")
@@ -25,57 +27,70 @@ RESULTS_JSON = "glue_results.json"
 RESULTS_TABLE = "glue_results.md"
 
 
+def checkpoint_backbone(
+    checkpoint: str | Path, impl: ImplConfig, base_dir: str | Path = "outputs"
+) -> Backbone:
+    """The encoder of a cramming checkpoint (built with the arch's fine-tuning dropout), on impl's device."""
+    pretrained = load_pretrained(
+        checkpoint,
+        base_dir,
+        device=impl.torch_device(),
+        attention=impl.attention,
+        layernorm=impl.layernorm,
+        strict_kernels=impl.strict_kernels,
+    )
+    arch = pretrained.model.arch
+    return Backbone(
+        encoder=pretrained.model.encoder,
+        hidden_size=arch.hidden_size,
+        dropout=arch.dropout,
+        tokenizer=pretrained.tokenizer,
+        pad_id=pretrained.config["special_tokens"]["pad"],
+        info={"checkpoint": str(pretrained.path), "pretraining": pretrained.config.get("training", {})},
+    )
+
+
 def run_glue(
-    cfg: EvalRunConfig, checkpoint: Path, run_dir: Path, clock: Callable[[], float] = time.monotonic
+    cfg: EvalRunConfig, backbone: Backbone, run_dir: Path, clock: Callable[[], float] = time.monotonic
 ) -> dict:
     """Fine-tune and evaluate every task of cfg.eval.tasks; writes the JSON and markdown table to run_dir."""
     run_dir.mkdir(parents=True, exist_ok=True)
     budget = BudgetClock(cfg.budget, clock) if cfg.budget is not None else None
-    per_entry: dict[str, list[dict[str, float]]] = {}
-    runs, skipped, not_run = [], [], []
     start = time.perf_counter()
+    jobs, skipped = [], []
     for name in cfg.eval.tasks:
         task = GLUE_TASKS[name]
-        if budget is not None and budget.expired():
-            not_run.append(name)
-            continue
         try:
-            splits = load_task(task, cfg.eval.glue_dir, cache_dir=Path(cfg.base_dir) / "data" / "hf")
+            jobs.append(
+                (task, load_task(task, cfg.eval.glue_dir, cache_dir=Path(cfg.base_dir) / "data" / "hf"))
+            )
         except DataSourceError as err:
             log.warning("skipping a task: %s", err)
             skipped.append(name)
-            continue
-        for seed in cfg.eval.seeds:
-            result = finetune(task, splits, str(checkpoint), cfg.eval, cfg.impl, cfg.seed + seed, budget)
-            for entry, metrics in result.metrics.items():
-                per_entry.setdefault(entry, []).append(metrics)
-                log.info(
-                    "%s seed %d: %s", entry, seed, ", ".join(f"{k} {100 * v:.2f}" for k, v in metrics.items())
-                )
-            runs.append({"task": name, "seed": cfg.seed + seed} | asdict(result))
-            if result.stopped_by_budget:
-                break
-    scores = summarize(per_entry)
+    seeds = [cfg.seed + seed for seed in cfg.eval.seeds]
+    glue = finetune_tasks(jobs, backbone, cfg.eval, cfg.impl, seeds, budget)
+    scores = summarize(glue.per_entry)
     average, used = glue_average(scores)
-    table = markdown_table(scores, skipped, not_run) if scores else "No task could be evaluated.\n"
+    table = markdown_table(scores, skipped, glue.not_run) if scores else "No task could be evaluated.\n"
+    source = backbone.info.get("checkpoint", "")
     report = {
-        "checkpoint": str(checkpoint),
-        "pretraining": json.loads((checkpoint / MODEL_CONFIG).read_text()).get("training", {}),
-        "optimizer": cfg.eval.optim,
+        "checkpoint": source,
+        "pretraining": backbone.info.get("pretraining", {}),
+        "optimizer": cfg.eval.optim.name,
         "config": asdict(cfg),
-        "runs": runs,
+        "runs": glue.runs,
         "scores": {e: {"metric": s.metric, "median": s.median, "spread": s.spread, "per_seed": s.per_seed,
                        "medians": s.medians} for e, s in scores.items()},
         "glue_average": average,
         "average_entries": used,
         "skipped_no_data": skipped,
-        "not_run_budget": not_run,
+        "not_run_budget": glue.not_run,
         "seconds": time.perf_counter() - start,
     }  # fmt: skip
     atomic_write_text(run_dir / RESULTS_JSON, json.dumps(report, indent=2) + "\n")
-    header = f"# GLUE: {checkpoint}\n\nOptimizer `{cfg.eval.optim}`, recipe `{cfg.eval.name}`.\n\n"
+    header = f"# GLUE: {source}\n\nOptimizer `{cfg.eval.optim.name}`, recipe `{cfg.eval.name}`.\n\n"
     atomic_write_text(run_dir / RESULTS_TABLE, header + table)
     log.info("GLUE results:\n%s", table)
-    if not_run:
-        log.warning("the eval budget ran out before: %s", ", ".join(not_run))
+    if glue.not_run:
+        log.warning("the eval budget ran out before: %s", ", ".join(glue.not_run))
     return report

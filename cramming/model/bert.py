@@ -177,6 +177,15 @@ class Encoder(nn.Module):
             x = block(x, key_padding_mask)
         return self.final_norm(x)
 
+    def set_dropout(self, p: float) -> None:
+        """Every dropout of the encoder (hidden and attention) to `p`: pretraining runs without, fine-tuning
+        with arch.dropout."""
+        for module in self.modules():
+            if isinstance(module, nn.Dropout):
+                module.p = p
+            elif isinstance(module, SelfAttention):
+                module.dropout_p = p
+
 
 class PredictionHead(nn.Module):
     """Optional transform (dense + GELU + LayerNorm, original BERT), then the decoder to the vocabulary."""

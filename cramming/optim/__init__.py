@@ -159,7 +159,12 @@ OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = _registry()
 
 
 def build_optimizer(
-    model: nn.Module, cfg: OptimConfig, *, kernel: str = "auto", max_grad_norm: float | None = None
+    model: nn.Module,
+    cfg: OptimConfig,
+    *,
+    kernel: str = "auto",
+    max_grad_norm: float | None = None,
+    scope: str = "train.optim",
 ) -> torch.optim.Optimizer:
     """The optimizer `cfg.name` over `model`'s trainable parameters.
 
@@ -167,7 +172,9 @@ def build_optimizer(
         a speed setting, the loop may derive it from `impl`.
     max_grad_norm: the loop's clipping threshold. Layerwise optimizers clip each parameter's gradient to it
         in their hooks (the loop must not clip); the others ignore it (the loop clips as usual).
+    scope: where the settings sit in the config (train.optim or eval.optim), for the error messages.
     """
-    check_choice("train.optim.name", cfg.name, OPTIMIZERS)
+    check_choice(f"{scope}.name", cfg.name, OPTIMIZERS)
+    cfg.check(scope)
     check_choice("kernel", kernel, KERNELS)
     return OPTIMIZERS[cfg.name](model, cfg, kernel=kernel, max_grad_norm=max_grad_norm)

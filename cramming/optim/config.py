@@ -46,34 +46,32 @@ class OptimConfig:
     # keep the embeddings' moments in 32 bits (bitsandbytes' advice for stability; costs 6 B/param there)
     embedding_32bit: bool = False
 
-    def __post_init__(self) -> None:
+    def check(self, scope: str = "train.optim") -> None:
+        """Ranges and choices, each error naming `{scope}.<key>`: the owner calls this with where the config
+        sits (train.optim when pretraining, eval.optim when fine-tuning)."""
         if self.lr <= 0:
-            raise config_error("train.optim.lr", self.lr, "use a positive learning rate")
+            raise config_error(f"{scope}.lr", self.lr, "use a positive learning rate")
         if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
-            raise config_error("train.optim.betas", self.betas, "give two values in [0, 1), e.g. [0.9, 0.98]")
+            raise config_error(f"{scope}.betas", self.betas, "give two values in [0, 1), e.g. [0.9, 0.98]")
         if self.eps <= 0:
-            raise config_error("train.optim.eps", self.eps, "use a small positive number")
+            raise config_error(f"{scope}.eps", self.eps, "use a small positive number")
         if self.weight_decay < 0:
-            raise config_error("train.optim.weight_decay", self.weight_decay, "use 0 or a positive value")
+            raise config_error(f"{scope}.weight_decay", self.weight_decay, "use 0 or a positive value")
         if self.rank < 1:
-            raise config_error(
-                "train.optim.rank", self.rank, "use a positive rank, e.g. 128 (pretraining) or 8"
-            )
+            raise config_error(f"{scope}.rank", self.rank, "use a positive rank, e.g. 128 (pretraining) or 8")
         if self.update_proj_gap < 1:
-            raise config_error(
-                "train.optim.update_proj_gap", self.update_proj_gap, "use a positive step count"
-            )
+            raise config_error(f"{scope}.update_proj_gap", self.update_proj_gap, "use a positive step count")
         if self.scale <= 0:
-            raise config_error("train.optim.scale", self.scale, "use a positive scale, e.g. 0.25")
-        check_choice("train.optim.proj_type", self.proj_type, PROJ_TYPES)
-        self._check_targets()
+            raise config_error(f"{scope}.scale", self.scale, "use a positive scale, e.g. 0.25")
+        check_choice(f"{scope}.proj_type", self.proj_type, PROJ_TYPES)
+        self._check_targets(scope)
         if self.min_8bit_size < 0:
             raise config_error(
-                "train.optim.min_8bit_size", self.min_8bit_size, "use 0 or a positive element count"
+                f"{scope}.min_8bit_size", self.min_8bit_size, "use 0 or a positive element count"
             )
 
-    def _check_targets(self) -> None:
-        key = "train.optim.target_modules"
+    def _check_targets(self, scope: str) -> None:
+        key = f"{scope}.target_modules"
         if not self.target_modules:
             raise config_error(key, self.target_modules, 'name the modules to project, or use ["all-linear"]')
         if ALL_LINEAR in self.target_modules and len(self.target_modules) > 1:

@@ -30,6 +30,7 @@ from torch import nn
 from cramming.errors import ConfigError
 from cramming.model import ArchConfig
 from cramming.train.mlm import MLMMasker
+from cramming.train.step import TrainStep
 from cramming.utils import atomic_write_text
 
 log = logging.getLogger("cramming")
@@ -153,12 +154,21 @@ def step_measure(
     """
     generator = torch.Generator().manual_seed(0)
     cuda = device.type == "cuda"
+    # the loop's own forward/backward (autocast, loss scaling); no update is applied, so the optimizer here is
+    # a stand-in that never steps (the real one, with its hooks, is built after the search)
+    step = TrainStep(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.0),
+        device_type=device.type,
+        dtype=dtype,
+        grad_clip=None,
+    )
 
     def one_step(rows: torch.Tensor) -> None:
-        corrupted, labels = masker(rows, generator)
-        with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
+        corrupted, labels = masker(rows, torch.arange(rows.shape[0]))
+        with step.autocast():
             out = model(corrupted.to(device), labels.to(device))
-        out.loss.backward()
+        step.backward(out.loss)
 
     def measure(size: int) -> float:
         rows = torch.randint(

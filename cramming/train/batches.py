@@ -9,6 +9,7 @@ shared state.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -17,6 +18,11 @@ from torch.utils.data import DataLoader, Dataset
 
 if TYPE_CHECKING:  # only annotations: the stream also takes any table with the same interface (benchmarks)
     import datasets
+
+
+def first_stream_row(start: int, i: int, microbatch_size: int, rank: int = 0, world_size: int = 1) -> int:
+    """Stream position of the first row of this rank's micro-batch i of a stream that starts at `start`."""
+    return start + (i * world_size + rank) * microbatch_size
 
 
 class RowStream(Dataset):
@@ -63,7 +69,7 @@ class RowStream(Dataset):
         return 2**62
 
     def __getitem__(self, i: int) -> torch.Tensor:
-        first = self.start + (i * self.world_size + self.rank) * self.microbatch_size
+        first = first_stream_row(self.start, i, self.microbatch_size, self.rank, self.world_size)
         indices = self.row_indices(np.arange(first, first + self.microbatch_size))
         ids = self.rows[indices]["input_ids"]  # (microbatch, seq), uint16 or int32 on disk
         return torch.from_numpy(np.asarray(ids, dtype=np.int64))
@@ -91,3 +97,13 @@ def microbatches(
         persistent_workers=num_workers > 0,
         prefetch_factor=4 if num_workers > 0 else None,
     )
+
+
+def numbered(
+    loader: Iterable[torch.Tensor], start: int, microbatch_size: int, rank: int = 0, world_size: int = 1
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """(stream positions (microbatch,), input_ids (microbatch, seq)) of each micro-batch of `loader`: the
+    positions key each row's MLM mask (cramming.train.mlm)."""
+    for i, input_ids in enumerate(loader):
+        first = first_stream_row(start, i, microbatch_size, rank, world_size)
+        yield torch.arange(first, first + input_ids.shape[0]), input_ids

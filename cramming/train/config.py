@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from cramming.errors import check_choice, config_error
-from cramming.eval.anytime import AnytimeConfig
 from cramming.optim.config import OptimConfig
 from cramming.train.schedules import LR_SCHEDULES
 
@@ -51,8 +50,11 @@ class TrainConfig:
     mlm: MLMConfig = field(default_factory=MLMConfig)
     # sequences per optimizer update, reached by accumulating micro-batches of impl.microbatch_size
     batch_size: int = 8192
-    # fraction of the budget at which batch_size is reached, rising linearly from one micro-batch; 0: from the start
+    # fraction of the budget at which batch_size is reached, rising linearly from batch_size_start sequences;
+    # 0: the whole batch from the start
     batch_size_ramp: float = 0.6
+    # sequences per update when the ramp starts (capped at batch_size)
+    batch_size_start: int = 128
     # a name in cramming.train.schedules.LR_SCHEDULES: budget-triangle2 | budget-cosine | budget-constant | steps-linear
     lr_schedule: str = "budget-triangle2"
     # fraction of the schedule's clock spent warming up; null: the schedule's own default
@@ -69,14 +71,13 @@ class TrainConfig:
     checkpoint_every_min: float = 60.0
     # stop after this many consecutive updates skipped for a non-finite loss
     max_nonfinite_updates: int = 10
-    # micro-batches of the validation split evaluated at the end of training (0: none)
-    eval_microbatches: int = 16
-    # GLUE fine-tuning of the current weights at fractions of the budget (cramming/eval/anytime.py); off by default
-    anytime: AnytimeConfig = field(default_factory=AnytimeConfig)
+    # rows of the validation split evaluated (MLM loss, accuracy) at the end of training (0: none)
+    validation_rows: int = 2048
     # also write the metrics records as TensorBoard events into {run_dir}/tensorboard (needs `tensorboard`)
     tensorboard: bool = False
 
     def __post_init__(self) -> None:
+        self.optim.check("train.optim")
         check_choice("train.lr_schedule", self.lr_schedule, LR_SCHEDULES)
         if self.batch_size < 1:
             raise config_error(
@@ -110,5 +111,9 @@ class TrainConfig:
             raise config_error(
                 "train.max_nonfinite_updates", self.max_nonfinite_updates, "use a positive count"
             )
-        if self.eval_microbatches < 0:
-            raise config_error("train.eval_microbatches", self.eval_microbatches, "use 0 or more")
+        if self.batch_size_start < 1:
+            raise config_error(
+                "train.batch_size_start", self.batch_size_start, "use a positive number of sequences"
+            )
+        if self.validation_rows < 0:
+            raise config_error("train.validation_rows", self.validation_rows, "use 0 (none) or more rows")

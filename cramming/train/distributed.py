@@ -9,9 +9,8 @@ What N processes compute is what one process computes with an N times larger mic
   * data: global micro-batch k is stream rows [k·N·b, (k+1)·N·b); rank r trains on its r-th slice of b rows
     (RowStream(rank=, world_size=)). The recipe's batch size stays global sequences per update; accumulation
     steps count global micro-batches.
-  * masks: every rank draws the random numbers of the whole global micro-batch from the same generator and
-    keeps its slice (`mask_local_rows`), so a row's mask does not depend on which rank trains it, and the
-    generators of all ranks stay in step (rank 0's saved state resumes them all).
+  * masks: keyed by each row's stream position (cramming.train.mlm), so a row's mask does not depend on
+    which rank trains it, and there is no masking state to keep in step.
   * gradients: averaged over ranks (DDP all-reduce / FSDP2 reduce-scatter), once per update: the
     accumulation micro-batches run without synchronization (`grad_sync`).
   * the budget is wall-clock for the whole job: after every micro-batch the ranks agree on rank 0's elapsed
@@ -40,7 +39,6 @@ from cramming.budget import BudgetClock
 from cramming.errors import ConfigError
 from cramming.impl import ImplConfig
 from cramming.model.checkpoint import unwrap
-from cramming.train.mlm import MLMMasker
 
 log = logging.getLogger("cramming")
 
@@ -268,20 +266,6 @@ def grad_sync(step_model: nn.Module, ranks: Ranks, sync: bool) -> contextlib.Abs
         module.set_requires_gradient_sync(sync)
         return contextlib.nullcontext()
     return contextlib.nullcontext() if sync else module.no_sync()
-
-
-def mask_local_rows(
-    masker: MLMMasker, input_ids: torch.Tensor, generator: torch.Generator, ranks: Ranks
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Mask this rank's rows (b, seq) as one process would mask the global micro-batch (N·b, seq): draw for
-    all of it, keep slice `rank`. A row's mask depends only on its own tokens and its draws, so the other
-    ranks' rows can be stand-ins (copies of ours). Costs N times the (small, CPU) masking work."""
-    if not ranks.active:
-        return masker(input_ids, generator)
-    rows = input_ids.shape[0]
-    corrupted, labels = masker(input_ids.repeat(ranks.world_size, 1), generator)
-    mine = slice(ranks.rank * rows, (ranks.rank + 1) * rows)
-    return corrupted[mine], labels[mine]
 
 
 def reduce_update_stats(ranks: Ranks, loss_sum: torch.Tensor, *counts: torch.Tensor) -> list[torch.Tensor]:

@@ -1,12 +1,15 @@
 """The pretraining loop: micro-batches accumulate into updates until the wall-clock budget is spent.
 
     train()
-      set_up()            model, optimizer, loader, clock; restores a resumable state when resuming
+      set_up()            model, train step, loader, clock; restores a resumable state when resuming
       while no stop reason:
         run_update()      accumulate micro-batches (check_stop after each), then apply_update()
         log / save state  every train.log_every updates / train.checkpoint_every_min minutes
-        run_anytime_eval  GLUE fine-tuning at the fractions of the budget in train.anytime.at
+        run_hooks()       callbacks the entry point passed in (pretrain.py: anytime GLUE evaluation)
       finish()            resumable state, final checkpoint, validation loss
+
+One update is cramming.train.step.TrainStep; masks are keyed by stream row (cramming.train.mlm), so neither
+the micro-batch size nor a resume changes what is computed.
 
 The host measures elapsed time while the GPU may still be working through queued micro-batches; the one
 synchronization per update (the non-finite loss check) bounds that lag to a single update.
@@ -14,14 +17,13 @@ synchronization per update (the non-finite loss check) bounds that lag to a sing
 
 from __future__ import annotations
 
-import itertools
 import json
 import logging
-import math
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import torch
 import torch._dynamo  # noqa: F401  imported before the budget clock starts: the first optimizer does it (5-10 s)
@@ -31,20 +33,20 @@ from cramming.budget import BudgetClock
 from cramming.config import PretrainConfig
 from cramming.data import PretrainingData
 from cramming.errors import ConfigError
-from cramming.eval.anytime import AnytimeEval
 from cramming.model import IGNORE_INDEX, ArchConfig, build_model, count_parameters
 from cramming.model import checkpoint as model_checkpoint
-from cramming.optim import build_optimizer, check_layerwise_loop, format_state_report, optimizer_state_report
+from cramming.optim import build_optimizer, format_state_report, optimizer_state_report
 from cramming.train import autobatch, checkpoint, distributed
-from cramming.train.batches import microbatches
+from cramming.train.batches import microbatches, numbered
 from cramming.train.mlm import MLMMasker
-from cramming.train.schedules import LR_SCHEDULES, accumulation_steps
+from cramming.train.schedules import LR_SCHEDULES, accumulation_steps, step_progress
 from cramming.train.signals import StopSignals, catch_stop_signals
+from cramming.train.step import TrainStep
 from cramming.train.tensorboard import TensorBoardWriter
 from cramming.utils import seed_everything
 
 log = logging.getLogger("cramming")
-STATE_VERSION = 1
+STATE_VERSION = 2  # 2: masks keyed by stream row (no masking RNG), the train step's scaler
 
 
 class TrainingDiverged(RuntimeError):
@@ -76,6 +78,16 @@ class Window:
     since: float = field(default_factory=time.monotonic)
 
 
+class EvalHook(Protocol):
+    """A callback the loop runs between updates (pretrain.py passes anytime GLUE evaluation this way)."""
+
+    def start(self, fraction_done: float) -> None: ...
+
+    def due(self, fraction: float) -> bool: ...
+
+    def __call__(self, model: nn.Module, clock: BudgetClock, update: int) -> dict: ...
+
+
 @dataclass
 class Run:
     """Everything the loop works with."""
@@ -84,23 +96,25 @@ class Run:
     data: PretrainingData
     run_dir: Path
     device: torch.device
-    dtype: torch.dtype
     model: nn.Module  # plain module: saved state dicts use its key names
-    step_model: nn.Module  # what runs forward: the model or its torch.compile wrapper
-    optimizer: torch.optim.Optimizer
-    scaler: torch.amp.GradScaler
+    step_model: nn.Module  # what runs forward: the model, its DDP/FSDP2 form or its torch.compile wrapper
+    step: TrainStep
     masker: MLMMasker
-    mask_generator: torch.Generator
     clock: BudgetClock
+    microbatch_size: int  # impl.microbatch_size, or the one the search chose (the config is never written)
     progress: Progress
-    batches: Iterator[torch.Tensor] | None = None
+    batches: Iterator[tuple[torch.Tensor, torch.Tensor]] | None = None  # (stream rows, input_ids)
     window: Window = field(default_factory=Window)
     last_save: float = 0.0  # budget seconds at the last resumable state
     signals: StopSignals | None = None
     metrics_file: Path | None = None  # None: no metrics written (ranks other than 0)
     ranks: distributed.Ranks = field(default_factory=distributed.Ranks)  # a single process by default
-    anytime: AnytimeEval | None = None  # GLUE fine-tuning at fractions of the budget (train.anytime)
+    hooks: Sequence[EvalHook] = ()
     tensorboard: TensorBoardWriter | None = None  # the metrics records as TensorBoard scalars too
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self.step.optimizer
 
 
 @dataclass
@@ -116,60 +130,44 @@ class TrainResult:
 # ---------------------------------------------------------------------------------------------------- set-up
 
 
-def set_up(cfg: PretrainConfig, data: PretrainingData, run_dir: Path, clock: Callable[[], float]) -> Run:
+def set_up(
+    cfg: PretrainConfig,
+    data: PretrainingData,
+    run_dir: Path,
+    clock: Callable[[], float],
+    hooks: Sequence[EvalHook] = (),
+) -> Run:
     ranks = distributed.init_from_env(cfg.impl)  # under torchrun: its process group; else a single process
     run_dir.mkdir(parents=True, exist_ok=True)
     state = load_resume_state(cfg)
-    elapsed_before = state["elapsed"] if state else 0.0
-    budget = distributed.budget_clock(ranks, cfg.budget, clock, elapsed_before)  # rank 0's, when several
-    device = ranks.device
-    dtype = cfg.impl.compute_dtype(device)
-    seed_everything(cfg.seed)
-    if device.type == "cuda":
-        torch.set_float32_matmul_precision("high")  # TF32 for any fp32 matmul left: rounding only
-    elif cfg.impl.cpu_threads is not None:
-        torch.set_num_threads(cfg.impl.cpu_threads)
-
+    budget = distributed.budget_clock(ranks, cfg.budget, clock, state["elapsed"] if state else 0.0)
+    dtype = cfg.impl.compute_dtype(ranks.device)
+    configure_torch(cfg, ranks.device)
     model = build_model(
         cfg.arch,
         data.vocab_size,
-        device=device,
+        device=ranks.device,
         attention=cfg.impl.attention,
         layernorm=cfg.impl.layernorm,
         strict_kernels=cfg.impl.strict_kernels,
         dropout=cfg.train.dropout,
     )
     log_model_size(model, cfg.arch, data.vocab_size)
-    if cfg.impl.microbatch_size == "auto":  # searched now, on the budget's clock, before any optimizer hook
-        cfg.impl.microbatch_size = autobatch.choose_microbatch(
-            model,
-            MLMMasker(cfg.train.mlm, data.vocab_size, data.special.all, data.special.mask),
-            device,
-            dtype,
-            data.seq_length,
-            cache_path=Path(cfg.base_dir) / autobatch.CACHE_FILE,
-            most=cfg.train.batch_size,
-            time_limit=autobatch.time_limit_for(cfg.budget),
-            search_allowed=ranks.world_size == 1,
-        )
+    masker = MLMMasker(cfg.train.mlm, data.vocab_size, data.special.all, data.special.mask, seed=cfg.seed)
+    microbatch_size = choose_microbatch_size(cfg, model, masker, ranks, dtype, data.seq_length)
     # DDP wrapper / FSDP2 shards: before the optimizer, which must see FSDP2's parameters
     step_model = distributed.prepare_model(model, ranks, cfg.train.optim.name, dtype)
-    optimizer, scaler = set_up_optimizer(model, cfg, device, dtype)
-    special = data.special
-    masker = MLMMasker(cfg.train.mlm, data.vocab_size, special.all, special.mask)
     run = Run(
         cfg=cfg,
         data=data,
         run_dir=run_dir,
-        device=device,
-        dtype=dtype,
+        device=ranks.device,
         model=model,
         step_model=step_model,
-        optimizer=optimizer,
-        scaler=scaler,
+        step=make_train_step(model, cfg, ranks.device, dtype, microbatch_size * ranks.world_size),
         masker=masker,
-        mask_generator=torch.Generator().manual_seed(cfg.seed),
         clock=budget,
+        microbatch_size=microbatch_size,
         progress=Progress(),
         metrics_file=run_dir / "metrics.jsonl" if ranks.is_main else None,
         ranks=ranks,
@@ -177,53 +175,92 @@ def set_up(cfg: PretrainConfig, data: PretrainingData, run_dir: Path, clock: Cal
     if state:
         restore(run, state)
     run.last_save = budget.elapsed()
-    set_up_reporting(run)
-    if cfg.impl.compile_on(device):
-        # compiles on the first micro-batches: on the budget's clock
-        run.step_model = torch.compile(run.step_model)
-    run.batches = iter(
-        microbatches(
-            data.train,
-            cfg.impl.microbatch_size,
-            cfg.seed,
-            start=run.progress.rows,
-            num_workers=cfg.impl.num_workers,
-            pin_memory=device.type == "cuda",
-            rank=ranks.rank,
-            world_size=ranks.world_size,
-        )
-    )
-    log.info(
-        "training on %s in %s: %d rows of %d tokens, micro-batch %d, %d sequences per update at %.0f%% of the budget",
-        device,
-        str(dtype).removeprefix("torch."),
-        len(data.train),
-        data.seq_length,
-        cfg.impl.microbatch_size,
-        cfg.train.batch_size,
-        100 * cfg.train.batch_size_ramp,
-    )
+    open_reporting(run, hooks)
+    if cfg.impl.compile_on(ranks.device):
+        run.step_model = torch.compile(run.step_model)  # compiles on the first micro-batches: on the budget
+    run.batches = training_batches(run)
+    log_set_up(run, dtype)
     return run
 
 
-def set_up_optimizer(
-    model: nn.Module, cfg: PretrainConfig, device: torch.device, dtype: torch.dtype
-) -> tuple[torch.optim.Optimizer, torch.amp.GradScaler]:
-    """The optimizer of train.optim and a loss scaler (active for fp16 only)."""
+def configure_torch(cfg: PretrainConfig, device: torch.device) -> None:
+    """Seeds, and the speed settings of impl that act process-wide."""
+    seed_everything(cfg.seed)
+    if device.type == "cuda":
+        torch.set_float32_matmul_precision("high")  # TF32 for any fp32 matmul left: rounding only
+    else:
+        cfg.impl.apply_threads()
+
+
+def choose_microbatch_size(
+    cfg: PretrainConfig, model: nn.Module, masker: MLMMasker, ranks, dtype: torch.dtype, seq_length: int
+) -> int:
+    """impl.microbatch_size, or with `auto` the searched one: now, on the budget's clock, before any
+    optimizer hook. Returned, never written back into the config."""
+    if cfg.impl.microbatch_size != "auto":
+        return cfg.impl.microbatch_size
+    return autobatch.choose_microbatch(
+        model,
+        masker,
+        ranks.device,
+        dtype,
+        seq_length,
+        cache_path=Path(cfg.base_dir) / autobatch.CACHE_FILE,
+        most=cfg.train.batch_size,
+        time_limit=autobatch.time_limit_for(cfg.budget),
+        search_allowed=ranks.world_size == 1,
+    )
+
+
+def make_train_step(
+    model: nn.Module, cfg: PretrainConfig, device: torch.device, dtype: torch.dtype, global_microbatch: int
+) -> TrainStep:
+    """The optimizer of train.optim inside the one training step (a loss scaler for fp16 only)."""
     # layerwise optimizers clip each gradient in their hooks; the others ignore max_grad_norm
     optimizer = build_optimizer(model, cfg.train.optim, max_grad_norm=cfg.train.grad_clip)
-    scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)
-    most_accumulation = accumulation_steps(1.0, cfg.train.batch_size, cfg.impl.microbatch_size, 0.0)
-    check_layerwise_loop(
+    train = cfg.train
+    most_accumulation = accumulation_steps(1.0, train.batch_size, global_microbatch, 0.0)
+    log.info("optimizer %s: %s", train.optim.name, format_state_report(optimizer_state_report(optimizer)))
+    return TrainStep(
+        model,
         optimizer,
+        device_type=device.type,
+        dtype=dtype,
+        grad_clip=train.grad_clip,
         grad_accumulation=most_accumulation,
         distributed=distributed.is_multiprocess(),
-        grad_scaler=scaler.is_enabled(),
     )
-    for group in optimizer.param_groups:
-        group.setdefault("peak_lr", group["lr"])  # the schedule multiplies this
-    log.info("optimizer %s: %s", cfg.train.optim.name, format_state_report(optimizer_state_report(optimizer)))
-    return optimizer, scaler
+
+
+def training_batches(run: Run) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """This rank's micro-batches from the saved data position on, each with its stream row numbers."""
+    loader = microbatches(
+        run.data.train,
+        run.microbatch_size,
+        run.cfg.seed,
+        start=run.progress.rows,
+        num_workers=run.cfg.impl.num_workers,
+        pin_memory=run.device.type == "cuda",
+        rank=run.ranks.rank,
+        world_size=run.ranks.world_size,
+    )
+    return numbered(loader, run.progress.rows, run.microbatch_size, run.ranks.rank, run.ranks.world_size)
+
+
+def log_set_up(run: Run, dtype: torch.dtype) -> None:
+    train = run.cfg.train
+    log.info(
+        "training on %s in %s: %d rows of %d tokens, micro-batch %d, %d sequences per update at %.0f%% of the"
+        " budget (from %d)",
+        run.device,
+        str(dtype).removeprefix("torch."),
+        len(run.data.train),
+        run.data.seq_length,
+        run.microbatch_size,
+        train.batch_size,
+        100 * train.batch_size_ramp,
+        min(train.batch_size_start, train.batch_size),
+    )
 
 
 def log_model_size(model: nn.Module, arch: ArchConfig, vocab_size: int) -> None:
@@ -247,9 +284,11 @@ def train(
     data: PretrainingData,
     run_dir: str | Path,
     clock: Callable[[], float] = time.monotonic,
+    hooks: Sequence[EvalHook] = (),
 ) -> TrainResult:
-    """Pretrain until the budget (or train.steps, or a stop signal) ends the run; see the module docstring."""
-    run = set_up(cfg, data, Path(run_dir), clock)
+    """Pretrain until the budget (or train.steps, or a stop signal) ends the run; see the module docstring.
+    hooks: evaluations run between updates when due (each returns a metrics record)."""
+    run = set_up(cfg, data, Path(run_dir), clock, hooks)
     with catch_stop_signals() as signals:
         run.signals = signals
         run.window = Window()  # throughput from here, set-up excluded
@@ -258,8 +297,8 @@ def train(
             reason = run_update(run)
             if run.progress.updates == 1 or run.progress.updates % cfg.train.log_every == 0:
                 log_progress(run)
-            if reason is None and run.anytime is not None and run.anytime.due(run.clock.fraction()):
-                run_anytime_eval(run)
+            if reason is None:
+                run_hooks(run)
             if reason is None and cfg.train.steps is not None and run.progress.updates >= cfg.train.steps:
                 reason = "steps"
             if reason is None and run.clock.elapsed() - run.last_save >= 60 * cfg.train.checkpoint_every_min:
@@ -284,8 +323,10 @@ def run_update(run: Run) -> str | None:
     """Accumulate the micro-batches of one update and apply it. Returns a stop reason that came up on the way;
     an update cut short by it is dropped (its rows are trained on again after a resume)."""
     # mb: rows of one micro-batch over all ranks; batch_size counts global sequences per update
-    train_cfg, mb = run.cfg.train, run.cfg.impl.microbatch_size * run.ranks.world_size
-    accumulate = accumulation_steps(run.clock.fraction(), train_cfg.batch_size, mb, train_cfg.batch_size_ramp)
+    train_cfg, mb = run.cfg.train, run.microbatch_size * run.ranks.world_size
+    accumulate = accumulation_steps(
+        run.clock.fraction(), train_cfg.batch_size, mb, train_cfg.batch_size_ramp, train_cfg.batch_size_start
+    )
     run.step_model.train()
     loss_sum = torch.zeros((), device=run.device)
     correct = torch.zeros((), device=run.device)
@@ -316,61 +357,52 @@ def run_update(run: Run) -> str | None:
     return reason
 
 
-def forward_backward(run: Run, input_ids: torch.Tensor, loss_scale: float):
-    """One micro-batch: mask, forward, backward. Returns detached (loss, correct predictions, predictions)."""
-    corrupted, labels = distributed.mask_local_rows(run.masker, input_ids, run.mask_generator, run.ranks)
+def forward_backward(run: Run, batch: tuple[torch.Tensor, torch.Tensor], loss_scale: float):
+    """One micro-batch (stream rows, input_ids): mask, forward, backward. Returns detached (loss, correct
+    predictions, predictions)."""
+    rows, input_ids = batch
+    corrupted, labels = run.masker(input_ids, rows)
     if run.device.type == "cuda":  # copies from pinned memory do not wait for the queued GPU work
         corrupted, labels = corrupted.pin_memory(), labels.pin_memory()
     corrupted = corrupted.to(run.device, non_blocking=True)
     labels = labels.to(run.device, non_blocking=True)
-    with torch.autocast(run.device.type, dtype=run.dtype, enabled=run.dtype != torch.float32):
+    with run.step.autocast():
         out = run.step_model(corrupted, labels)
-    run.scaler.scale(out.loss * loss_scale).backward()
-    with torch.no_grad():
-        target = out.labels != IGNORE_INDEX
-        # right where the label's logit is the row's maximum: argmax == label up to exact ties, and on CPU
-        # an amax is many times cheaper than an argmax (profiled: argmax was 9% of a tiny-model step)
-        label_logit = out.logits.gather(-1, out.labels.clamp(min=0)[:, None]).squeeze(-1)
-        correct = ((label_logit >= out.logits.amax(dim=-1)) & target).sum()
-    return out.loss.detach(), correct, target.sum()
+    run.step.backward(out.loss, loss_scale)
+    return (out.loss.detach(), *mlm_accuracy_counts(out))
+
+
+@torch.no_grad()
+def mlm_accuracy_counts(out) -> tuple[torch.Tensor, torch.Tensor]:
+    """(correct predictions, predictions) of an MLMOutput, on the device (no synchronization). Right where the
+    label's logit is the row's maximum: argmax == label up to exact ties, and on CPU an amax is many times
+    cheaper than an argmax (profiled: argmax was 9% of a tiny-model step)."""
+    target = out.labels != IGNORE_INDEX
+    label_logit = out.logits.gather(-1, out.labels.clamp(min=0)[:, None]).squeeze(-1)
+    correct = ((label_logit >= out.logits.amax(dim=-1)) & target).sum()
+    return correct, target.sum()
 
 
 def apply_update(run: Run, loss: torch.Tensor) -> bool:
-    """Set the learning rate, clip and step; or skip the update when the loss is not finite."""
-    progress = run.progress
-    # the one host-device synchronization per update. (A layerwise optimizer has updated the weights during
-    # backward already: for it, a non-finite loss is counted and stops the run, but cannot be undone.)
-    if not torch.isfinite(loss).item():
-        run.optimizer.zero_grad(set_to_none=True)
-        if run.scaler.is_enabled():  # fp16: an overflow, so lower the loss scale as a skipped step would
-            run.scaler.update(run.scaler.get_scale() * run.scaler.get_backoff_factor())
-        progress.skipped += 1
-        progress.skipped_in_a_row += 1
-        log.warning(
-            "non-finite loss at update %d: update skipped (%d in a row)",
-            progress.updates + 1,
-            progress.skipped_in_a_row,
+    """Step at the scheduled learning rate, or skip the update when the loss or the gradient is not finite."""
+    progress, step = run.progress, run.step
+    applied = step.apply(loss, lr_factor(run))
+    progress.skipped, progress.skipped_in_a_row = step.stats.skipped, step.stats.skipped_in_a_row
+    if applied:
+        progress.updates += 1
+        return True
+    log.warning(
+        "non-finite loss or gradient at update %d: update skipped (%d in a row)",
+        progress.updates + 1,
+        progress.skipped_in_a_row,
+    )
+    if progress.skipped_in_a_row >= run.cfg.train.max_nonfinite_updates:
+        raise TrainingDiverged(
+            f"the loss was non-finite for {progress.skipped_in_a_row} updates in a row at update"
+            f" {progress.updates}: training diverged. Lower train.optim.lr, keep train.grad_clip on, or use"
+            " impl.precision=bf16/fp32; resume=true restarts from the last saved state."
         )
-        if progress.skipped_in_a_row >= run.cfg.train.max_nonfinite_updates:
-            raise TrainingDiverged(
-                f"the loss was non-finite for {progress.skipped_in_a_row} updates in a row at update"
-                f" {progress.updates}: training diverged. Lower train.optim.lr, keep train.grad_clip on, or use"
-                " impl.precision=bf16/fp32; resume=true restarts from the last saved state."
-            )
-        return False
-    progress.skipped_in_a_row = 0
-    factor = lr_factor(run)
-    for group in run.optimizer.param_groups:
-        group["lr"] = group["peak_lr"] * factor
-    # a layerwise optimizer has already updated (and clipped) every parameter during backward
-    if run.cfg.train.grad_clip is not None and not getattr(run.optimizer, "layerwise", False):
-        run.scaler.unscale_(run.optimizer)
-        torch.nn.utils.clip_grad_norm_(run.model.parameters(), run.cfg.train.grad_clip)
-    run.scaler.step(run.optimizer)
-    run.scaler.update()
-    run.optimizer.zero_grad(set_to_none=True)
-    progress.updates += 1
-    return True
+    return False
 
 
 def lr_factor(run: Run) -> float:
@@ -379,7 +411,7 @@ def lr_factor(run: Run) -> float:
     if schedule.clock == "budget":
         progress = run.clock.fraction()
     else:
-        progress = run.progress.updates / run.cfg.train.steps
+        progress = step_progress(run.progress.updates, run.cfg.train.steps)
     return schedule.factor(progress, run.cfg.train.warmup)
 
 
@@ -429,38 +461,32 @@ def write_metrics(run: Run, record: dict) -> None:
         run.tensorboard.write(record)
 
 
-def set_up_reporting(run: Run) -> None:
-    """Anytime evaluation and TensorBoard, when the config asks for them."""
-    cfg = run.cfg.train
-    if cfg.anytime.at:
-        if run.ranks.active:
-            raise ConfigError("train.anytime evaluates in a single process only; run without torchrun")
-        run.anytime = AnytimeEval(
-            cfg.anytime,
-            tokenizer=run.data.tokenizer,
-            seq_length=run.data.seq_length,
-            special=run.data.special,
-            impl=run.cfg.impl,
-            run_dir=run.run_dir,
-            cache_dir=run.cfg.data_cache_root / "hf",
-            # a resumed run does not repeat the fractions it passed
-            fraction_done=run.clock.fraction() if run.cfg.resume else 0.0,
+def open_reporting(run: Run, hooks: Sequence[EvalHook]) -> None:
+    """The evaluation hooks (told how much of the budget a resumed run has spent), and TensorBoard."""
+    if hooks and run.ranks.active:
+        raise ConfigError(
+            "evaluation during pretraining (anytime) runs in a single process only; run without torchrun"
         )
-    if cfg.tensorboard and run.ranks.is_main:
+    run.hooks = tuple(hooks)
+    for hook in run.hooks:
+        hook.start(run.clock.fraction())  # a resumed run does not repeat the fractions it passed
+    if run.cfg.train.tensorboard and run.ranks.is_main:
         run.tensorboard = TensorBoardWriter(run.run_dir)
 
 
-def run_anytime_eval(run: Run) -> None:
-    """Fine-tune the current weights on the anytime tasks; the throughput figures leave its time out."""
-    log_progress(run)  # closes the throughput window before the evaluation
-    write_metrics(run, run.anytime.evaluate(run.model, run.clock, run.progress.updates))
-    run.window = Window()
+def run_hooks(run: Run) -> None:
+    """Run each hook that is due on the current weights; the throughput figures leave its time out."""
+    for hook in run.hooks:
+        if hook.due(run.clock.fraction()):
+            log_progress(run)  # closes the throughput window before the evaluation
+            write_metrics(run, hook(run.model, run.clock, run.progress.updates))
+            run.window = Window()
 
 
 def close_reporting(run: Run, final: bool) -> None:
-    """The anytime evaluation due at the end of the budget (of the final model only), then TensorBoard."""
-    if final and run.anytime is not None and run.anytime.due(run.clock.fraction()):
-        run_anytime_eval(run)
+    """The evaluations due at the end of the budget (of the final model only), then TensorBoard."""
+    if final:
+        run_hooks(run)
     if run.tensorboard is not None:
         run.tensorboard.close()
 
@@ -479,13 +505,12 @@ def save_resumable_state(run: Run) -> None:
         "version": STATE_VERSION,
         "model": model_state,
         "optimizer": optimizer_state,
-        "scaler": run.scaler.state_dict(),
+        "step": run.step.state_dict(),
         "progress": asdict(run.progress),
         "elapsed": elapsed,
         "rng": {
             "torch": torch.get_rng_state(),
             "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-            "mask": run.mask_generator.get_state(),
         },
         "arch": asdict(run.cfg.arch),
         "data_path": str(run.data.path),
@@ -533,12 +558,13 @@ def restore(run: Run, state: dict) -> None:
             "resuming on other data than the saved run: %s (was %s)", run.data.path, state["data_path"]
         )
     distributed.load_full_state(run.model, run.optimizer, state["model"], state["optimizer"], run.ranks)
-    run.scaler.load_state_dict(state["scaler"])
+    run.step.load_state_dict(state["step"])
     run.progress = Progress(**state["progress"])
+    run.step.stats.skipped = run.progress.skipped
+    run.step.stats.skipped_in_a_row = run.progress.skipped_in_a_row
     torch.set_rng_state(state["rng"]["torch"])
     if state["rng"]["cuda"] and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["rng"]["cuda"])
-    run.mask_generator.set_state(state["rng"]["mask"])
 
 
 def finish(run: Run, reason: str) -> TrainResult:
@@ -579,22 +605,28 @@ def finish(run: Run, reason: str) -> TrainResult:
 
 @torch.no_grad()
 def evaluate(run: Run) -> dict | None:
-    """MLM loss and accuracy on the first train.eval_microbatches micro-batches of the validation split, with
-    a fixed masking seed so runs compare."""
-    rows, n = run.data.validation, run.cfg.train.eval_microbatches
-    if rows is None or len(rows) == 0 or n == 0:
+    """MLM loss and accuracy on the first train.validation_rows rows of the validation split, masked once
+    with a fixed seed: the same rows and masks whatever the micro-batch size (which only sets how many rows
+    go through the model at once), so runs compare."""
+    rows = run.data.validation
+    n = 0 if rows is None else min(run.cfg.train.validation_rows, len(rows))
+    if n == 0:
         return None
     run.model.eval()
-    generator = torch.Generator().manual_seed(0)
-    mb = min(run.cfg.impl.microbatch_size, len(rows))
-    loader = microbatches(rows, mb, seed=0, start=0, num_workers=0, pin_memory=False)
+    input_ids = torch.as_tensor(
+        rows.with_format("numpy", columns=["input_ids"])[:n]["input_ids"], dtype=torch.long
+    )
+    masker = MLMMasker(
+        run.masker.cfg, run.masker.vocab_size, tuple(run.masker.special_ids.tolist()), run.masker.mask_id
+    )
+    corrupted, labels = masker(input_ids, torch.arange(n))
     loss, correct, predicted = 0.0, 0.0, 0.0
-    for input_ids in itertools.islice(loader, min(n, math.ceil(len(rows) / mb))):
-        corrupted, labels = run.masker(input_ids, generator)
-        with torch.autocast(run.device.type, dtype=run.dtype, enabled=run.dtype != torch.float32):
-            out = run.model(corrupted.to(run.device), labels.to(run.device))
-        target = out.labels != IGNORE_INDEX
-        loss += out.loss.item() * target.sum().item()
-        correct += ((out.logits.argmax(-1) == out.labels) & target).sum().item()
-        predicted += target.sum().item()
+    for first in range(0, n, run.microbatch_size):
+        part = slice(first, first + run.microbatch_size)
+        with run.step.autocast():
+            out = run.model(corrupted[part].to(run.device), labels[part].to(run.device))
+        right, count = mlm_accuracy_counts(out)
+        loss += out.loss.float().item() * count.item()
+        correct += right.item()
+        predicted += count.item()
     return {"loss": loss / max(predicted, 1.0), "mlm_acc": correct / max(predicted, 1.0)}

@@ -1,8 +1,10 @@
 """The masked-language-model objective: choose tokens to predict and corrupt them (80% [MASK] / 10% random /
 10% unchanged). Special tokens ([CLS], [SEP], [PAD], ...) are never chosen.
 
-Masking runs in the training process on whole micro-batches with its own torch.Generator, so a resumable
-state can save and restore it exactly.
+Every random draw of a row is a pure function of (seed, the row's position in the training stream, token
+position): a counter-based hash, not a generator's running state. So a row gets the same mask whatever
+micro-batch it falls in (impl.microbatch_size changes no result), on whichever rank trains it, and after any
+resume: there is no masking state to save.
 """
 
 from __future__ import annotations
@@ -12,12 +14,40 @@ import torch
 from cramming.model import IGNORE_INDEX
 from cramming.train.config import MLMConfig
 
+_U32 = 0xFFFFFFFF
+# independent draws per token: which tokens are chosen, how each is corrupted, the random replacement
+_CHOOSE, _CORRUPT, _REPLACE = 1, 2, 3
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (two multiply-xorshift rounds) on int64 tensors holding values < 2**32. Every
+    product stays below 2**59, so int64 never overflows on any platform."""
+    x = ((x >> 16) ^ x) * 0x45D9F3B & _U32
+    x = ((x >> 16) ^ x) * 0x45D9F3B & _U32
+    return (x >> 16) ^ x
+
+
+def row_hashes(seed: int, rows: torch.Tensor, seq_length: int, stream: int) -> torch.Tensor:
+    """(batch, seq) int64 hashes in [0, 2**32) of (seed, stream row, token position, draw number)."""
+    rows = rows.to(torch.int64)
+    key = _mix32((rows & _U32) ^ _mix32((rows >> 32) ^ _mix32(torch.tensor(seed & _U32) + stream)))
+    positions = torch.arange(seq_length, dtype=torch.int64)
+    return _mix32((key[:, None] + positions * 0x9E3779B1) & _U32)  # (batch, seq)
+
+
+def row_uniforms(seed: int, rows: torch.Tensor, seq_length: int, stream: int) -> torch.Tensor:
+    """(batch, seq) float32 uniforms in [0, 1) on a 2**-24 grid (exact in float32)."""
+    return (row_hashes(seed, rows, seq_length, stream) >> 8).to(torch.float32) * 2.0**-24
+
 
 class MLMMasker:
-    def __init__(self, cfg: MLMConfig, vocab_size: int, special_ids: tuple[int, ...], mask_id: int):
+    def __init__(
+        self, cfg: MLMConfig, vocab_size: int, special_ids: tuple[int, ...], mask_id: int, seed: int = 0
+    ):
         self.cfg = cfg
         self.vocab_size = vocab_size
         self.mask_id = mask_id
+        self.seed = seed
         self.special_ids = torch.tensor(sorted(set(special_ids)), dtype=torch.long)
         # random replacements are drawn from the ordinary tokens; tokenizers put the special ones first
         self.first_ordinary = max(special_ids) + 1
@@ -26,25 +56,24 @@ class MLMMasker:
         """Tokens chosen per row in `count` mode."""
         return max(1, round(self.cfg.mask_fraction * seq_length))
 
-    def __call__(
-        self, input_ids: torch.Tensor, generator: torch.Generator
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """input_ids (batch, seq) -> (corrupted input_ids, labels); labels hold the original id where a token
-        was chosen and IGNORE_INDEX elsewhere."""
+    def __call__(self, input_ids: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """input_ids (batch, seq) of the stream rows `rows` (batch,) -> (corrupted input_ids, labels); labels
+        hold the original id where a token was chosen and IGNORE_INDEX elsewhere."""
+        seq = input_ids.shape[1]
         maskable = ~torch.isin(input_ids, self.special_ids)  # (batch, seq)
-        chosen = self._choose(maskable, generator)
+        chosen = self._choose(maskable, row_uniforms(self.seed, rows, seq, _CHOOSE))
         labels = torch.where(chosen, input_ids, IGNORE_INDEX)
 
-        draw = torch.rand(input_ids.shape, generator=generator)
+        draw = row_uniforms(self.seed, rows, seq, _CORRUPT)
         to_mask = chosen & (draw < self.cfg.mask_token_fraction)
         to_random = chosen & ~to_mask & (draw < self.cfg.mask_token_fraction + self.cfg.random_fraction)
-        random_ids = torch.randint(self.first_ordinary, self.vocab_size, input_ids.shape, generator=generator)
+        ordinary = self.vocab_size - self.first_ordinary
+        random_ids = self.first_ordinary + row_hashes(self.seed, rows, seq, _REPLACE) % ordinary
         corrupted = torch.where(to_mask, self.mask_id, input_ids)
         corrupted = torch.where(to_random, random_ids, corrupted)
         return corrupted, labels
 
-    def _choose(self, maskable: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-        scores = torch.rand(maskable.shape, generator=generator)  # (batch, seq)
+    def _choose(self, maskable: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         if self.cfg.mode == "probability":
             return maskable & (scores < self.cfg.mask_fraction)
         # count: the k maskable positions with the highest random scores; special tokens get score -1 so they

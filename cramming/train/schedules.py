@@ -56,13 +56,34 @@ LR_SCHEDULES: dict[str, LRSchedule] = {
     "budget-cosine": LRSchedule(cosine, clock="budget", default_warmup=0.1),
     "budget-constant": LRSchedule(constant, clock="budget", default_warmup=0.0),
     "steps-linear": LRSchedule(linear, clock="steps", default_warmup=0.01),
+    "steps-cosine": LRSchedule(cosine, clock="steps", default_warmup=0.1),
+    "steps-constant": LRSchedule(constant, clock="steps", default_warmup=0.0),
 }
 
 
-def accumulation_steps(progress: float, batch_size: int, microbatch_size: int, ramp: float) -> int:
-    """Micro-batches per update at budget fraction `progress`: the batch grows linearly from one micro-batch
-    to `batch_size` sequences at `ramp`, in whole micro-batches (rounded down)."""
-    target = max(1, round(batch_size / microbatch_size))
+def step_progress(update: int, total: int) -> float:
+    """Progress of a steps-* schedule for the update about to be applied (counted from 1, so the first
+    update of a warm-up already has a non-zero rate)."""
+    return (update + 1) / max(1, total)
+
+
+def ramped_batch_size(progress: float, batch_size: int, ramp: float, start: int) -> float:
+    """Sequences per update at budget fraction `progress`: rising linearly from `start` (at most batch_size)
+    to `batch_size` at `ramp`; the whole batch from the start when ramp is 0. Defined in sequences, so the
+    micro-batch size does not move it."""
+    start = min(start, batch_size)
     if ramp <= 0.0 or progress >= ramp:
-        return target
-    return 1 + int((target - 1) * progress / ramp)
+        return float(batch_size)
+    return start + (batch_size - start) * progress / ramp
+
+
+def accumulation_steps(
+    progress: float, batch_size: int, microbatch_size: int, ramp: float, start: int = 128
+) -> int:
+    """Micro-batches per update at budget fraction `progress`: ramped_batch_size in whole micro-batches,
+    rounded down during the ramp (at least one), to the nearest at the end. This rounding is the one way
+    impl.microbatch_size touches the recipe: pick a micro-batch that divides train.batch_size (and
+    train.batch_size_start) and two micro-batch sizes train on exactly the same rows."""
+    target = max(1, round(batch_size / microbatch_size))
+    sequences = ramped_batch_size(progress, batch_size, ramp, start)
+    return min(target, max(1, int(sequences // microbatch_size)))

@@ -1,0 +1,113 @@
+"""One optimizer update, written once: pretraining, fine-tuning, the micro-batch search and the benchmarks
+all train through `TrainStep`.
+
+    with step.autocast():              forward in the compute dtype
+        loss = ...
+    step.backward(loss, scale)         scaled backward (fp16: the loss scaler), once per micro-batch
+    step.apply(loss, lr_factor)        the non-finite check, unscale, clip, optimizer step, zero-grad
+
+`apply` skips the update, leaving the weights and the optimizer state untouched, when the loss or the
+gradient norm is not finite: `clip_grad_norm_` would turn an inf gradient into NaN weights. Both checks share
+the one host-device synchronization per update. A layerwise optimizer has updated (and clipped each
+gradient) during backward already: for it a non-finite loss is counted but cannot be undone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from cramming.optim import check_layerwise_loop
+
+log = logging.getLogger("cramming")
+
+
+@dataclass
+class StepStats:
+    """Updates applied and skipped; `skipped_in_a_row` resets at every applied update."""
+
+    applied: int = 0
+    skipped: int = 0
+    skipped_in_a_row: int = 0
+
+
+class TrainStep:
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        device_type: str,
+        dtype: torch.dtype,
+        grad_clip: float | None,
+        grad_accumulation: int = 1,
+        distributed: bool = False,
+    ):
+        """model: the plain module whose parameters the optimizer updates; dtype: the autocast dtype (fp32:
+        no autocast; fp16: with a loss scaler); grad_accumulation: the most micro-batches per update (checked
+        against what a layerwise optimizer supports)."""
+        self.model, self.optimizer = model, optimizer
+        self.device_type, self.dtype, self.grad_clip = device_type, dtype, grad_clip
+        self.scaler = torch.amp.GradScaler(device_type, enabled=dtype == torch.float16)
+        self.layerwise = bool(getattr(optimizer, "layerwise", False))
+        check_layerwise_loop(
+            optimizer,
+            grad_accumulation=grad_accumulation,
+            distributed=distributed,
+            grad_scaler=self.scaler.is_enabled(),
+        )
+        for group in optimizer.param_groups:
+            group.setdefault("peak_lr", group["lr"])  # lr_factor multiplies this
+        self.stats = StepStats()
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        return torch.autocast(self.device_type, dtype=self.dtype, enabled=self.dtype != torch.float32)
+
+    def backward(self, loss: torch.Tensor, scale: float = 1.0) -> None:
+        """Accumulate the gradient of `loss * scale` (1 / micro-batches per update when accumulating)."""
+        self.scaler.scale(loss * scale).backward()
+
+    def apply(self, loss: torch.Tensor, lr_factor: float = 1.0) -> bool:
+        """Finish the update whose mean micro-batch loss is `loss`: True when applied, False when skipped."""
+        for group in self.optimizer.param_groups:
+            group["lr"] = group["peak_lr"] * lr_factor
+        norm = self._unscale_and_clip()
+        finite = torch.isfinite(loss) if norm is None else torch.isfinite(loss) & torch.isfinite(norm)
+        if not finite.item():  # the one host-device synchronization per update
+            self.skip(overflow=self.scaler.is_enabled() and bool(torch.isfinite(loss).item()))
+            return False
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.stats.applied += 1
+        self.stats.skipped_in_a_row = 0
+        return True
+
+    def _unscale_and_clip(self) -> torch.Tensor | None:
+        """The global gradient norm (after clipping to grad_clip, when set); None for layerwise optimizers."""
+        if self.layerwise:
+            return None
+        self.scaler.unscale_(self.optimizer)
+        clip = math.inf if self.grad_clip is None else self.grad_clip
+        return nn.utils.clip_grad_norm_(self.model.parameters(), clip)
+
+    def skip(self, overflow: bool = False) -> None:
+        """Drop the accumulated gradients. An fp16 overflow (finite loss, inf gradient) is the loss scaler's
+        normal calibration: the scale is lowered and it does not count towards divergence."""
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.scaler.is_enabled():
+            self.scaler.update(self.scaler.get_scale() * self.scaler.get_backoff_factor())
+        self.stats.skipped += 1
+        if not overflow:
+            self.stats.skipped_in_a_row += 1
+
+    def state_dict(self) -> dict:
+        return {"scaler": self.scaler.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.scaler.load_state_dict(state["scaler"])
