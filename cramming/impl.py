@@ -13,13 +13,10 @@ from typing import Any
 import torch
 
 from cramming.errors import check_choice, config_error
+from cramming.model.ops import ATTENTION, LAYERNORM
 
 DEVICES = ("auto", "cpu", "cuda")
-PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-ATTENTIONS = ("sdpa", "eager", "triton")
-LAYERNORMS = ("torch", "triton")
-PARALLELISMS = ("ddp", "fsdp2")
 
 
 @dataclass
@@ -54,10 +51,11 @@ class ImplConfig:
 
     def __post_init__(self) -> None:
         check_choice("impl.device", self.device.split(":")[0], DEVICES)
-        check_choice("impl.precision", self.precision, PRECISIONS)
-        check_choice("impl.attention", self.attention, ATTENTIONS)
-        check_choice("impl.layernorm", self.layernorm, LAYERNORMS)
-        check_choice("impl.distributed", self.distributed, PARALLELISMS)
+        check_choice("impl.precision", self.precision, ("auto", *DTYPES))
+        check_choice("impl.attention", self.attention, ATTENTION)
+        check_choice("impl.layernorm", self.layernorm, LAYERNORM)
+        # impl.distributed is checked against the parallelism registry when a run starts
+        # (cramming.train.distributed.init_from_env): this low-level module does not import the training stack
         if isinstance(self.microbatch_size, str) and self.microbatch_size.isdigit():
             self.microbatch_size = int(self.microbatch_size)
         if self.microbatch_size != "auto" and (

@@ -28,13 +28,10 @@ import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import matplotlib
+from matplotlib.figure import Figure
 from omegaconf import OmegaConf
 
-matplotlib.use("Agg")  # files only: no display needed
-import matplotlib.pyplot as plt  # noqa: E402
-
-from cramming.runcard import RUN_CARD, read_metrics  # noqa: E402
+from cramming.runcard import RUN_CARD, read_metrics
 
 log = logging.getLogger("cramming")
 
@@ -160,7 +157,8 @@ def eval_row(run: RunRecord) -> dict:
         "checkpoint": _short(
             card.get("data", {}).get("checkpoint") or card.get("config", {}).get("checkpoint")
         ),
-        "optimizer": m.get("optimizer") or card.get("config", {}).get("eval", {}).get("optim", {}).get("name"),
+        "optimizer": m.get("optimizer")
+        or card.get("config", {}).get("eval", {}).get("optim", {}).get("name"),
         **{task: _round(score, 4) for task, score in m.get("scores", {}).items()},
         "glue_average": _round(m.get("glue_average"), 4),
         "eval_s": _round(card.get("seconds", {}).get("eval"), 1),
@@ -223,10 +221,17 @@ def _time_axis(runs: list[RunRecord]) -> tuple[float, str]:
     return (60.0, "elapsed time (minutes)") if longest < 2 else (1.0, "elapsed time (hours)")
 
 
+def _figure(size: tuple[float, float]) -> Figure:
+    """A figure of matplotlib's object API: drawn straight to files, no pyplot state and no display
+    backend to choose (nothing happens at import)."""
+    return Figure(figsize=size)
+
+
 def _plot_over_time(runs: list[RunRecord], key: str, ylabel: str, title: str):
     """One line per run of metrics[key] against elapsed time; returns (figure, axes) to finish."""
     scale, xlabel = _time_axis(runs)
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig = _figure((7, 4.5))
+    ax = fig.subplots()
     for run in runs:
         x, y = _series(run, "elapsed_h", key)
         ax.plot([v * scale for v in x], y, label=run.label, linewidth=1.2)
@@ -240,7 +245,8 @@ def plot_loss(runs: list[RunRecord], path: Path) -> None:
 
 
 def plot_schedule(runs: list[RunRecord], path: Path) -> None:
-    fig, (lr_ax, bs_ax) = plt.subplots(1, 2, figsize=(11, 4.2))
+    fig = _figure((11, 4.2))
+    lr_ax, bs_ax = fig.subplots(1, 2)
     for run in runs:
         lr_ax.plot(*_series(run, "budget_fraction", "lr"), label=run.label, linewidth=1.2)
         bs_ax.plot(*_series(run, "budget_fraction", "batch_size"), label=run.label, linewidth=1.2)
@@ -259,7 +265,8 @@ def plot_throughput(runs: list[RunRecord], path: Path) -> None:
 def plot_glue(runs: list[RunRecord], path: Path) -> None:
     """Grouped bars: one group per task, one bar per run (labelled by what differs, e.g. the optimizer)."""
     tasks = list(dict.fromkeys(t for run in runs for t in run.card["metrics"].get("scores", {})))
-    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(tasks) * max(1, len(runs)) / 2), 4.5))
+    fig = _figure((max(6, 1.6 * len(tasks) * max(1, len(runs)) / 2), 4.5))
+    ax = fig.subplots()
     width = 0.8 / len(runs)
     for i, run in enumerate(runs):
         scores = run.card["metrics"].get("scores", {})
@@ -276,7 +283,8 @@ def plot_anytime(runs: list[RunRecord], path: Path) -> None:
     """One panel per task: its score against the budget fraction, one line per run."""
     records = {run.label: [r for r in run.metrics if "anytime_fraction" in r] for run in runs}
     tasks = list(dict.fromkeys(task for rs in records.values() for r in rs for task in r["anytime"]))
-    fig, axes = plt.subplots(1, len(tasks), figsize=(5.5 * len(tasks), 4.5), squeeze=False)
+    fig = _figure((5.5 * len(tasks), 4.5))
+    axes = fig.subplots(1, len(tasks), squeeze=False)
     for ax, task in zip(axes[0], tasks, strict=True):
         for label, rs in records.items():
             done = [r for r in rs if task in r["anytime"]]
@@ -293,7 +301,6 @@ def _finish(fig, ax, path: Path) -> None:
     ax.legend(fontsize=7, loc="best")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 # ----------------------------------------------------------------------------------------------- report

@@ -37,7 +37,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from cramming.utils import atomic_write_text
+from cramming.utils import atomic_write_text, process_rank
 
 if TYPE_CHECKING:
     from cramming.train.loop import TrainResult
@@ -121,7 +121,7 @@ class RunCard:
         }
 
     def write(self) -> None:
-        if int(os.environ.get("RANK", "0")) != 0:  # one card per run, from the first process
+        if process_rank() != 0:  # one card per run, from the first process
             return
         atomic_write_text(self.run_dir / RUN_CARD, json.dumps(self.to_dict(), indent=2, default=str) + "\n")
 

@@ -66,3 +66,13 @@ def newest_run_dir(base_dir: str | os.PathLike, name: str, containing: str) -> P
         return None
     runs = sorted(p for p in root.iterdir() if p.is_dir() and (p / containing).exists())
     return runs[-1] if runs else None
+
+
+def launched_by_torchrun() -> bool:
+    """The one answer to "several processes?" before a run's Ranks exist (afterwards: Ranks.active)."""
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
+def process_rank() -> int:
+    """This process's rank in a torchrun launch (0 when not launched by torchrun)."""
+    return int(os.environ.get("RANK", "0")) if launched_by_torchrun() else 0

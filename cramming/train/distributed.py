@@ -36,9 +36,10 @@ import torch.distributed as dist
 from torch import nn
 
 from cramming.budget import BudgetClock
-from cramming.errors import ConfigError
+from cramming.errors import ConfigError, check_choice
 from cramming.impl import ImplConfig
 from cramming.model.checkpoint import unwrap
+from cramming.utils import launched_by_torchrun
 
 log = logging.getLogger("cramming")
 
@@ -75,14 +76,11 @@ class Ranks:
 _ranks: Ranks | None = None  # the process group is process-wide state already; this caches its description
 
 
-def launched_by_torchrun() -> bool:
-    return int(os.environ.get("WORLD_SIZE", "1")) > 1
-
-
 def init_from_env(impl: ImplConfig) -> Ranks:
     """The process group torchrun asks for (made once per process; later calls join it again), or a single
     process when not launched by torchrun."""
     global _ranks
+    check_choice("impl.distributed", impl.distributed, PARALLEL)
     if _ranks is not None:
         return dataclasses.replace(_ranks, mode=impl.distributed)  # one group, a run's own choice of mode
     device = impl.torch_device()
@@ -119,10 +117,6 @@ def shutdown() -> None:
     if _ranks is not None and dist.is_initialized():
         dist.destroy_process_group()
     _ranks = None
-
-
-def is_multiprocess() -> bool:
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 @contextlib.contextmanager

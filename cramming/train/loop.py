@@ -164,7 +164,7 @@ def set_up(
         device=ranks.device,
         model=model,
         step_model=step_model,
-        step=make_train_step(model, cfg, ranks.device, dtype, microbatch_size * ranks.world_size),
+        step=make_train_step(model, cfg, ranks, dtype, microbatch_size),
         masker=masker,
         clock=budget,
         microbatch_size=microbatch_size,
@@ -213,22 +213,22 @@ def choose_microbatch_size(
 
 
 def make_train_step(
-    model: nn.Module, cfg: PretrainConfig, device: torch.device, dtype: torch.dtype, global_microbatch: int
+    model: nn.Module, cfg: PretrainConfig, ranks: distributed.Ranks, dtype: torch.dtype, microbatch_size: int
 ) -> TrainStep:
     """The optimizer of train.optim inside the one training step (a loss scaler for fp16 only)."""
     # layerwise optimizers clip each gradient in their hooks; the others ignore max_grad_norm
     optimizer = build_optimizer(model, cfg.train.optim, max_grad_norm=cfg.train.grad_clip)
     train = cfg.train
-    most_accumulation = accumulation_steps(1.0, train.batch_size, global_microbatch, 0.0)
+    most_accumulation = accumulation_steps(1.0, train.batch_size, microbatch_size * ranks.world_size, 0.0)
     log.info("optimizer %s: %s", train.optim.name, format_state_report(optimizer_state_report(optimizer)))
     return TrainStep(
         model,
         optimizer,
-        device_type=device.type,
+        device_type=ranks.device.type,
         dtype=dtype,
         grad_clip=train.grad_clip,
         grad_accumulation=most_accumulation,
-        distributed=distributed.is_multiprocess(),
+        distributed=ranks.active,
     )
 
 
