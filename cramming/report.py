@@ -306,6 +306,29 @@ def _finish(fig, ax, path: Path) -> None:
 # ----------------------------------------------------------------------------------------------- report
 
 
+def draw_plots(
+    pretraining: list[RunRecord], evaluation: list[RunRecord], out: Path
+) -> tuple[list[str], list[str]]:
+    """Each plot that these runs have data for, as {out}/{name}.png; returns (drawn, the others' titles)."""
+    with_curves = [r for r in pretraining if any("loss" in m for m in r.metrics)]
+    plots = {
+        "loss": (plot_loss, with_curves),
+        "schedule": (plot_schedule, with_curves),
+        "throughput": (plot_throughput, with_curves),
+        "glue": (plot_glue, [r for r in evaluation if r.ok and r.card["metrics"].get("scores")]),
+        "anytime": (
+            plot_anytime,
+            [r for r in pretraining if any("anytime_fraction" in m for m in r.metrics)],
+        ),
+    }
+    drawn = []
+    for name, (draw, selected) in plots.items():
+        if selected:
+            draw(selected, out / f"{name}.png")
+            drawn.append(name)
+    return drawn, [PLOTS[name].lower() for name in plots if name not in drawn]
+
+
 def build_report(folders: str | Path | list[str | Path], out: str | Path | None = None) -> Path:
     """Write report.md, runs.csv and the plots for the runs under `folders` into `out` (default: the first
     folder); returns report.md."""
@@ -325,22 +348,7 @@ def build_report(folders: str | Path | list[str | Path], out: str | Path | None 
         )
     )
 
-    with_curves = [r for r in pretraining if any("loss" in m for m in r.metrics)]
-    plots = {
-        "loss": (plot_loss, with_curves),
-        "schedule": (plot_schedule, with_curves),
-        "throughput": (plot_throughput, with_curves),
-        "glue": (plot_glue, [r for r in evaluation if r.ok and r.card["metrics"].get("scores")]),
-        "anytime": (
-            plot_anytime,
-            [r for r in pretraining if any("anytime_fraction" in m for m in r.metrics)],
-        ),
-    }
-    drawn = []
-    for name, (draw, selected) in plots.items():
-        if selected:
-            draw(selected, out / f"{name}.png")
-            drawn.append(name)
+    drawn, skipped = draw_plots(pretraining, evaluation, out)
 
     failed = [r for r in runs if r.card.get("status") not in ("ok", "unknown")]
     lines = [f"# Report: {', '.join(map(str, folders))}", ""]
@@ -360,7 +368,6 @@ def build_report(folders: str | Path | list[str | Path], out: str | Path | None 
     lines += ["", "## Plots", ""]
     for name in drawn:
         lines += [f"### {PLOTS[name]}", "", f"![{PLOTS[name]}]({name}.png)", ""]
-    skipped = [PLOTS[name].lower() for name in plots if name not in drawn]
     if skipped:
         lines.append(f"No data in these runs for: {'; '.join(skipped)}.")
     report = out / "report.md"

@@ -54,7 +54,7 @@ class AnytimeConfig:
     # true: the evaluations' time counts against the pretraining budget; false: the budget clock pauses
     charged: bool = False
     # the fine-tuning recipe (any eval.* setting): two tasks, subsampled, one epoch unless changed.
-    # In this workplace point it at the local GLUE copy: train.anytime.recipe.glue_dir=../shared/data/glue
+    # Offline, point it at a local GLUE copy in the original TSV layout: anytime.recipe.glue_dir=<folder>
     recipe: EvalConfig = field(default_factory=_small_recipe)
     # fine-tuning seed (one per evaluation: the curve compares fractions, not seeds)
     seed: int = 0

@@ -13,7 +13,7 @@ import copy
 import logging
 import math
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 
 import datasets
@@ -141,26 +141,14 @@ def finetune(
     loss_value, stopped = float("nan"), False
     model.train()
     for epoch in range(epochs):
-        order = rng.permutation(len(train))
-        epoch_start, epoch_loss, seen = time.perf_counter(), 0.0, 0
-        for first in range(0, len(order), batch_size):
-            batch = padded_batch(train, order[first : first + batch_size], backbone.pad_id, device)
-            with step.autocast():
-                logits = model(batch["input_ids"], batch["attention_mask"], batch["token_type_ids"])
-            loss = _loss(logits, batch["labels"], task.is_regression)
-            step.backward(loss)
-            updates = step.stats.applied + step.stats.skipped
-            step.apply(loss.detach(), schedule.factor(step_progress(updates, total), cfg.warmup))
-            loss_value = loss.item()
-            epoch_loss += loss_value * len(batch["labels"])
-            seen += len(batch["labels"])
-            if clock is not None and clock.expired():
-                stopped = True
-                break
-        took = time.perf_counter() - epoch_start
+        epoch_start = time.perf_counter()
+        loss_value, mean_loss, stopped = train_epoch(
+            model, step, train, rng.permutation(len(train)), batch_size, backbone.pad_id, task.is_regression,
+            lambda updates: schedule.factor(step_progress(updates, total), cfg.warmup), clock,
+        )  # fmt: skip
         log.info(
             "%s seed %d epoch %d/%d: loss %.4f, %.0f examples/s%s",
-            task.name, seed, epoch + 1, epochs, epoch_loss / max(1, seen), seen / max(took, 1e-9),
+            task.name, seed, epoch + 1, epochs, mean_loss, len(train) / max(time.perf_counter() - epoch_start, 1e-9),
             " (eval budget spent: stopping here)" if stopped else "",
         )  # fmt: skip
         if stopped:
@@ -178,6 +166,35 @@ def finetune(
     }
     steps = step.stats.applied + step.stats.skipped
     return TaskResult(metrics, len(train), steps, time.perf_counter() - start, loss_value, stopped)
+
+
+def train_epoch(
+    model: SequenceClassifier,
+    step: TrainStep,
+    train: Encoded,
+    order: np.ndarray,
+    batch_size: int,
+    pad_id: int,
+    regression: bool,
+    lr_factor: Callable[[int], float],
+    clock: BudgetClock | None,
+) -> tuple[float, float, bool]:
+    """One pass over `train` in `order`: (last loss, mean loss, stopped by the clock)."""
+    device = next(model.parameters()).device
+    loss_value, loss_sum, seen = float("nan"), 0.0, 0
+    for first in range(0, len(order), batch_size):
+        batch = padded_batch(train, order[first : first + batch_size], pad_id, device)
+        with step.autocast():
+            logits = model(batch["input_ids"], batch["attention_mask"], batch["token_type_ids"])
+        loss = _loss(logits, batch["labels"], regression)
+        step.backward(loss)
+        step.apply(loss.detach(), lr_factor(step.stats.applied + step.stats.skipped))
+        loss_value = loss.item()
+        loss_sum += loss_value * len(batch["labels"])
+        seen += len(batch["labels"])
+        if clock is not None and clock.expired():
+            return loss_value, loss_sum / max(1, seen), True
+    return loss_value, loss_sum / max(1, seen), False
 
 
 def _with_lr(cfg: EvalConfig, lr: float) -> OptimConfig:

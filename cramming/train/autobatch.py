@@ -135,6 +135,33 @@ def available_cpu_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
+def check_peak_memory(device: torch.device, reserve_bytes: int) -> None:
+    """Raise TooLarge when the peak so far plus `reserve_bytes` exceeds 90% of the GPU's memory."""
+    peak = torch.cuda.max_memory_allocated(device)
+    limit = 0.9 * torch.cuda.get_device_properties(device).total_memory
+    if peak + reserve_bytes > limit:
+        raise TooLarge(
+            f"peak {peak / 2**30:.1f} GiB + {reserve_bytes / 2**30:.1f} GiB optimizer state > 90% of memory"
+        )
+
+
+def timed_steps(
+    one_step: Callable[[], None], device: torch.device, min_steps: int, min_seconds: float, max_steps: int
+) -> tuple[int, float]:
+    """(steps, seconds) of at least min_steps and min_seconds, at most max_steps, after one warm-up step."""
+    cuda = device.type == "cuda"
+    one_step()  # warm-up
+    if cuda:
+        torch.cuda.synchronize(device)
+    start, steps = time.perf_counter(), 0
+    while steps < max_steps and (steps < min_steps or time.perf_counter() - start < min_seconds):
+        one_step()
+        steps += 1
+        if cuda:
+            torch.cuda.synchronize(device)
+    return steps, time.perf_counter() - start
+
+
 def step_measure(
     model: nn.Module,
     masker: MLMMasker,
@@ -179,15 +206,7 @@ def step_measure(
             torch.cuda.reset_peak_memory_stats(device)
         out_of_memory = False
         try:
-            one_step(rows)  # warm-up
-            if cuda:
-                torch.cuda.synchronize(device)
-            start, steps = time.perf_counter(), 0
-            while steps < max_steps and (steps < min_steps or time.perf_counter() - start < min_seconds):
-                one_step(rows)
-                steps += 1
-                if cuda:
-                    torch.cuda.synchronize(device)
+            steps, seconds = timed_steps(lambda: one_step(rows), device, min_steps, min_seconds, max_steps)
         except torch.cuda.OutOfMemoryError:
             out_of_memory = True  # raised below, once the failed step's tensors are released with its frames
         finally:
@@ -195,14 +214,8 @@ def step_measure(
         if out_of_memory:
             torch.cuda.empty_cache()
             raise TooLarge("out of memory")
-        seconds = time.perf_counter() - start
         if cuda:
-            peak = torch.cuda.max_memory_allocated(device)
-            limit = 0.9 * torch.cuda.get_device_properties(device).total_memory
-            if peak + reserve_bytes > limit:
-                raise TooLarge(
-                    f"peak {peak / 2**30:.1f} GiB + {reserve_bytes / 2**30:.1f} GiB optimizer state > 90% of memory"
-                )
+            check_peak_memory(device, reserve_bytes)
         return steps * size / seconds
 
     return measure
