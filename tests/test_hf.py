@@ -282,6 +282,42 @@ def test_bert_base_exports_as_native_bert(tmp_path):
 
 
 @pytest.mark.parametrize(
+    ("name", "overrides"),
+    [
+        # BERT's options through the crammed_bert file: post-LN, learned positions, token types, biases,
+        # plain GELU FFN, head transform, decoder bias
+        ("bert-base", SMALL_BERT_BASE),
+        # the switches neither preset flips: no LayerNorm bias, untied decoder, no embedding/final norm
+        (
+            "tiny",
+            {
+                **TINY,
+                "norm_bias": False,
+                "tie_embeddings": False,
+                "embedding_norm": False,
+                "final_norm": False,
+                "head_transform": True,
+                "decoder_bias": True,
+                "type_vocab_size": 2,
+            },
+        ),
+    ],
+)
+def test_every_arch_option_exports_as_crammed_bert(tmp_path, name, overrides):
+    model, checkpoint = make_checkpoint(tmp_path / "run", arch(name, **overrides))
+    out = to_transformers(checkpoint, tmp_path / "hf", format="crammed_bert")
+    hf = transformers.AutoModelForMaskedLM.from_pretrained(out).eval()
+    assert isinstance(hf, CrammedBertForMaskedLM)
+    tied = hf.head.decoder.weight is hf.encoder.embeddings.word.weight
+    assert tied == model.arch.tie_embeddings
+    batch = encode_batch(Tokenizer.from_file(str(checkpoint / TOKENIZER)), PAIRS)
+    with torch.no_grad():
+        got = hf(**batch).logits
+    expected = all_logits(model, batch["input_ids"], batch["attention_mask"], batch["token_type_ids"])
+    torch.testing.assert_close(got, expected, rtol=0, atol=ATOL)
+
+
+@pytest.mark.parametrize(
     ("name", "pooler_width", "model_type"),
     [
         ("tiny", None, "crammed_bert"),  # our GLUE head today: dropout -> Linear on the first token
@@ -317,6 +353,10 @@ def test_sequence_classifier_export(tmp_path, name, pooler_width, model_type):
         got = hf(**batch).logits
     assert got.shape == (len(PAIRS), 3)
     torch.testing.assert_close(got, expected, rtol=0, atol=ATOL)
+    labels = torch.tensor([0, 2, 1])
+    with torch.no_grad():
+        loss = hf(**batch, labels=labels).loss
+    torch.testing.assert_close(loss, torch.nn.functional.cross_entropy(expected, labels), rtol=0, atol=ATOL)
 
 
 def test_export_errors_name_the_problem(crammed, tmp_path):
