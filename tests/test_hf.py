@@ -194,6 +194,7 @@ def fresh(crammed, tmp_path_factory) -> dict:
     return torch.load(work / "result.pt")
 
 
+@pytest.mark.slow  # a second Python process importing torch and transformers
 def test_crammed_export_runs_in_transformers_alone(crammed, fresh):
     model, checkpoint, out = crammed
     result = fresh
@@ -221,6 +222,7 @@ def test_crammed_export_runs_in_transformers_alone(crammed, fresh):
     torch.testing.assert_close(result["hidden"], hidden, rtol=0, atol=ATOL)
 
 
+@pytest.mark.slow  # a second Python process importing torch and transformers
 def test_fill_mask_pipeline_ranks_as_our_model(crammed, fresh):
     model, checkpoint, _ = crammed
     answer = fresh
@@ -386,6 +388,7 @@ def test_missing_transformers_says_how_to_install(monkeypatch):
         importlib.import_module("cramming.hf")
 
 
+@pytest.mark.slow  # a second Python process importing torch and transformers
 def test_export_script_finds_a_run_by_name(crammed, tmp_path):
     _, checkpoint, _ = crammed
     run = tmp_path / "outputs" / "demo" / "2026-01-01_00-00-00"  # {base_dir}/{name}/{start time}/checkpoint
