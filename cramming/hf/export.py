@@ -124,7 +124,14 @@ def crammed_config(
     kwargs["attention_probs_dropout_prob"] = arch.dropout
     try:
         return crammed.CrammedBertConfig(
-            vocab_size=vocab_size, pad_token_id=special.pad, cramming_arch=arch.name, **kwargs, **head
+            vocab_size=vocab_size,
+            pad_token_id=special.pad,
+            # transformers 4's pipeline() loads a tokenizer for a model type it does not know only when the
+            # config names the tokenizer's class
+            tokenizer_class="PreTrainedTokenizerFast",
+            cramming_arch=arch.name,
+            **kwargs,
+            **head,
         )
     except ValueError as err:  # an option value the modeling file does not implement
         raise ExportError(f"cannot export arch {arch.name!r}: {err}") from err
