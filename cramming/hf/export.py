@@ -1,0 +1,379 @@
+"""Write a cramming checkpoint as a Hugging Face `transformers` folder.
+
+out/
+    config.json              BertConfig (model_type bert), or CrammedBertConfig (crammed_bert) with auto_map
+    modeling_crammed_bert.py the remote code of a crammed_bert folder (torch + transformers only)
+    model.safetensors        the weights under the transformers model's key names
+    tokenizer.json, tokenizer_config.json, special_tokens_map.json
+                             the checkpoint's tokenizer as a plain PreTrainedTokenizerFast
+
+Format `bert` is a native BertForMaskedLM / BertForSequenceClassification: only for an arch that computes
+what BERT computes (conf/arch/bert-base.yaml at any size). Format `crammed_bert` expresses every ArchConfig
+option through modeling_crammed_bert.py. `auto` picks `bert` where it applies.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer
+from torch import nn
+from transformers import BertConfig, BertForMaskedLM, BertForSequenceClassification, PreTrainedModel
+
+from cramming.data.tokenizer import SpecialTokens
+from cramming.hf import modeling_crammed_bert as crammed
+from cramming.model.checkpoint import (
+    MODEL_CONFIG,
+    TOKENIZER,
+    WEIGHTS,
+    load_pretrained,
+    resolve_checkpoint,
+    unwrap,
+)
+from cramming.model.config import ArchConfig
+
+FORMATS = ("auto", "bert", "crammed_bert")
+MODELING_FILE = Path(crammed.__file__)
+
+# Every ArchConfig field -> its CrammedBertConfig keyword, or None for a field that changes no output:
+# `name` is a label, `sparse_prediction` picks which positions the training loss decodes.
+CRAMMED_FIELDS = {
+    "name": None,
+    "num_layers": "num_hidden_layers",
+    "hidden_size": "hidden_size",
+    "num_heads": "num_attention_heads",
+    "intermediate_size": "intermediate_size",
+    "ffn": "ffn",
+    "norm_scheme": "norm_scheme",
+    "bias": "bias",
+    "norm_bias": "norm_bias",
+    "position_embedding": "position_embedding",
+    "max_seq_length": "max_position_embeddings",
+    "type_vocab_size": "type_vocab_size",
+    "embedding_norm": "embedding_norm",
+    "final_norm": "final_norm",
+    "head_transform": "head_transform",
+    "decoder_bias": "decoder_bias",
+    "tie_embeddings": "tie_word_embeddings",
+    "sparse_prediction": None,
+    "norm_eps": "layer_norm_eps",
+    "dropout": "hidden_dropout_prob",  # and attention_probs_dropout_prob: cramming has one dropout
+    "init_std": "initializer_range",
+}
+
+# What BERT computes, as ArchConfig values; type_vocab_size must also be at least 1
+BERT_ARCH = {
+    "ffn": "gelu",
+    "norm_scheme": "post",
+    "bias": True,
+    "norm_bias": True,
+    "position_embedding": "learned",
+    "embedding_norm": True,
+    "final_norm": False,
+    "head_transform": True,
+    "decoder_bias": True,
+}
+
+
+class ExportError(ValueError):
+    """The checkpoint or the requested format cannot be written as a transformers folder; says why."""
+
+
+def bert_mismatches(arch: ArchConfig) -> list[str]:
+    """The arch options a native BERT cannot express, as `arch.key=value (BERT: value)`; empty when none."""
+    found = [
+        f"arch.{key}={getattr(arch, key)!r} (BERT: {value!r})"
+        for key, value in BERT_ARCH.items()
+        if getattr(arch, key) != value
+    ]
+    if arch.type_vocab_size < 1:
+        found.append(f"arch.type_vocab_size={arch.type_vocab_size} (BERT: at least 1)")
+    return found
+
+
+def choose_format(arch: ArchConfig, format: str = "auto") -> str:
+    if format not in FORMATS:
+        raise ExportError(f"format={format!r}: use one of {FORMATS}")
+    mismatches = bert_mismatches(arch)
+    if format == "bert" and mismatches:
+        raise ExportError(
+            "a native BERT cannot express this arch: " + "; ".join(mismatches) + ". Use format crammed_bert."
+        )
+    if format == "auto":
+        return "crammed_bert" if mismatches else "bert"
+    return format
+
+
+def crammed_config(
+    arch: ArchConfig, vocab_size: int, special: SpecialTokens, **head
+) -> crammed.CrammedBertConfig:
+    """The CrammedBertConfig of `arch`; head: classifier keywords (num_labels, classifier_head_dim, ...)."""
+    values = asdict(arch)
+    unknown = sorted(set(values) - set(CRAMMED_FIELDS))
+    if unknown:
+        raise ExportError(
+            f"arch option(s) {', '.join(f'arch.{k}' for k in unknown)} unknown to the exporter: the"
+            " crammed_bert modeling file cannot express them (add them to cramming/hf/)"
+        )
+    kwargs = {hf: values[ours] for ours, hf in CRAMMED_FIELDS.items() if hf is not None}
+    kwargs["attention_probs_dropout_prob"] = arch.dropout
+    try:
+        return crammed.CrammedBertConfig(
+            vocab_size=vocab_size,
+            pad_token_id=special.pad,
+            # transformers 4's pipeline() loads a tokenizer for a model type it does not know only when the
+            # config names the tokenizer's class
+            tokenizer_class="PreTrainedTokenizerFast",
+            cramming_arch=arch.name,
+            **kwargs,
+            **head,
+        )
+    except ValueError as err:  # an option value the modeling file does not implement
+        raise ExportError(f"cannot export arch {arch.name!r}: {err}") from err
+
+
+def bert_config(arch: ArchConfig, vocab_size: int, special: SpecialTokens, **head) -> BertConfig:
+    return BertConfig(
+        vocab_size=vocab_size,
+        hidden_size=arch.hidden_size,
+        num_hidden_layers=arch.num_layers,
+        num_attention_heads=arch.num_heads,
+        intermediate_size=arch.intermediate_size,
+        hidden_act="gelu",  # exact (erf) GELU, as torch's F.gelu
+        hidden_dropout_prob=arch.dropout,
+        attention_probs_dropout_prob=arch.dropout,
+        max_position_embeddings=arch.max_seq_length,
+        type_vocab_size=arch.type_vocab_size,
+        initializer_range=arch.init_std,
+        layer_norm_eps=arch.norm_eps,
+        pad_token_id=special.pad,
+        tie_word_embeddings=arch.tie_embeddings,
+        **head,
+    )
+
+
+def bert_encoder_state(state: dict[str, torch.Tensor], num_layers: int) -> dict[str, torch.Tensor]:
+    """Our Encoder's state dict (keys without `encoder.`) under BertModel's names (without `bert.`)."""
+    out = {
+        "embeddings.word_embeddings.weight": state["embeddings.word.weight"],
+        "embeddings.position_embeddings.weight": state["embeddings.position.table.weight"],
+        "embeddings.token_type_embeddings.weight": state["embeddings.token_type.weight"],
+        "embeddings.LayerNorm.weight": state["embeddings.norm.weight"],
+        "embeddings.LayerNorm.bias": state["embeddings.norm.bias"],
+    }
+    for i in range(num_layers):
+        ours, hf = f"blocks.{i}.", f"encoder.layer.{i}."
+        for kind in ("weight", "bias"):
+            # qkv: (3 * hidden, ...), the rows of q, then k, then v
+            query, key, value = state[ours + f"attention.qkv.{kind}"].chunk(3)
+            out[hf + f"attention.self.query.{kind}"] = query
+            out[hf + f"attention.self.key.{kind}"] = key
+            out[hf + f"attention.self.value.{kind}"] = value
+            out[hf + f"attention.output.dense.{kind}"] = state[ours + f"attention.out.{kind}"]
+            out[hf + f"attention.output.LayerNorm.{kind}"] = state[ours + f"norm1.{kind}"]
+            out[hf + f"intermediate.dense.{kind}"] = state[ours + f"ffn.up.{kind}"]
+            out[hf + f"output.dense.{kind}"] = state[ours + f"ffn.down.{kind}"]
+            out[hf + f"output.LayerNorm.{kind}"] = state[ours + f"norm2.{kind}"]
+    return out
+
+
+def bert_mlm_head_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Our PredictionHead's state dict (keys without `head.`) under BertForMaskedLM's `cls.` names."""
+    return {
+        "cls.predictions.transform.dense.weight": state["transform.0.weight"],
+        "cls.predictions.transform.dense.bias": state["transform.0.bias"],
+        "cls.predictions.transform.LayerNorm.weight": state["transform.2.weight"],
+        "cls.predictions.transform.LayerNorm.bias": state["transform.2.bias"],
+        "cls.predictions.decoder.weight": state["decoder.weight"],
+        "cls.predictions.decoder.bias": state["decoder.bias"],
+        "cls.predictions.bias": state["decoder.bias"],
+    }
+
+
+def _prefixed(prefix: str, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {prefix + key: value for key, value in state.items()}
+
+
+def _submodule_state(module: nn.Module) -> dict[str, torch.Tensor]:
+    return {key: value.detach().float().cpu() for key, value in unwrap(module).state_dict().items()}
+
+
+def _strip(prefix: str, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {key.removeprefix(prefix): value for key, value in state.items() if key.startswith(prefix)}
+
+
+def check_checkpoint_files(directory: Path) -> None:
+    for name in (WEIGHTS, MODEL_CONFIG, TOKENIZER):
+        if not (directory / name).is_file():
+            raise ExportError(
+                f"checkpoint folder {directory} has no {name}: it is incomplete, export needs it"
+            )
+
+
+def _fill(model: PreTrainedModel, state: dict[str, torch.Tensor]) -> PreTrainedModel:
+    """Load every weight of `model` from `state`; a weight missing or left over is an error (a mapping bug)."""
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise ExportError(
+            f"weights do not map onto {type(model).__name__}: missing {missing}, unmapped {unexpected}"
+        )
+    model.tie_weights()
+    return model.eval()
+
+
+def _write_tokenizer(tokenizer: Tokenizer, special: SpecialTokens, out: Path, max_length: int) -> None:
+    """A plain PreTrainedTokenizerFast: the tokenizers file as is (normalizer, [CLS]/[SEP] template) and the
+    special-token names. The tokenizer runs no remote code; but transformers 5's AutoTokenizer reads
+    config.json first and, for a crammed_bert folder, asks whether to trust its code: pass
+    trust_remote_code=True there too (or use PreTrainedTokenizerFast.from_pretrained)."""
+    # a copy without truncation or padding: transformers sets those per call
+    tokenizer = Tokenizer.from_str(tokenizer.to_str())
+    tokenizer.no_truncation()
+    tokenizer.no_padding()
+    tokenizer.save(str(out / "tokenizer.json"))
+    names = {
+        f"{kind}_token": tokenizer.id_to_token(getattr(special, kind))
+        for kind in ("cls", "sep", "mask", "pad", "unk")
+    }
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        **names,
+        "model_max_length": max_length,
+        "model_input_names": ["input_ids", "token_type_ids", "attention_mask"],
+        "clean_up_tokenization_spaces": False,
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (out / "special_tokens_map.json").write_text(json.dumps(names, indent=2) + "\n")
+
+
+def _save(
+    model: PreTrainedModel, tokenizer: Tokenizer, special: SpecialTokens, out: Path, max_length: int
+) -> Path:
+    """Write the folder; refuses a non-empty `out` rather than mixing two models' files."""
+    out = Path(out)
+    if out.exists() and any(out.iterdir()):
+        raise ExportError(f"output folder {out} is not empty: remove it or choose another")
+    out.mkdir(parents=True, exist_ok=True)
+    if isinstance(model.config, crammed.CrammedBertConfig):
+        module = MODELING_FILE.stem
+        model.config.auto_map = {
+            "AutoConfig": f"{module}.CrammedBertConfig",
+            "AutoModel": f"{module}.CrammedBertModel",
+            "AutoModelForMaskedLM": f"{module}.CrammedBertForMaskedLM",
+            "AutoModelForSequenceClassification": f"{module}.CrammedBertForSequenceClassification",
+        }
+        shutil.copyfile(MODELING_FILE, out / MODELING_FILE.name)
+    model.save_pretrained(out)
+    _write_tokenizer(tokenizer, special, out, max_length)
+    return out
+
+
+def to_transformers(
+    checkpoint: str | Path, out: str | Path, *, base_dir: str | Path = "outputs", format: str = "auto"
+) -> Path:
+    """Export a checkpoint (run folder, checkpoint folder or run name) as a masked-LM transformers folder."""
+    directory = resolve_checkpoint(checkpoint, base_dir)
+    check_checkpoint_files(directory)
+    pretrained = load_pretrained(directory, attention="eager")
+    arch, vocab = pretrained.model.arch, pretrained.model.vocab_size
+    special = SpecialTokens(**pretrained.config["special_tokens"])
+    state = _submodule_state(pretrained.model)
+    if choose_format(arch, format) == "bert":
+        hf_state = _prefixed("bert.", bert_encoder_state(_strip("encoder.", state), arch.num_layers))
+        hf_state |= bert_mlm_head_state(_strip("head.", state))
+        model = _fill(BertForMaskedLM(bert_config(arch, vocab, special)), hf_state)
+    else:  # the crammed modules carry cramming's names: the state dict loads as is
+        model = _fill(crammed.CrammedBertForMaskedLM(crammed_config(arch, vocab, special)), state)
+    return _save(model, pretrained.tokenizer, special, Path(out), arch.max_seq_length)
+
+
+def classifier_to_transformers(
+    checkpoint: str | Path,
+    encoder: nn.Module,
+    classifier: nn.Linear,
+    out: str | Path,
+    *,
+    pooler: nn.Linear | None = None,
+    dropout: float | None = None,
+    labels: list[str] | None = None,
+    base_dir: str | Path = "outputs",
+    format: str = "auto",
+) -> Path:
+    """Export a fine-tuned sequence classifier: `encoder` (our Encoder, fine-tuned from `checkpoint`, which
+    supplies arch, tokenizer and special tokens) and its head on the first token's hidden state:
+    [pooler -> Tanh] -> Dropout(dropout, None = the arch's) -> classifier. One output means regression.
+
+    A native BertForSequenceClassification always pools (Linear -> Tanh), so format `bert` needs a pooler
+    of the hidden width; without one, `auto` writes crammed_bert.
+    """
+    directory = resolve_checkpoint(checkpoint, base_dir)
+    check_checkpoint_files(directory)
+    config = json.loads((directory / MODEL_CONFIG).read_text())
+    arch, vocab = ArchConfig(**config["arch"]), config["vocab_size"]
+    special = SpecialTokens(**config["special_tokens"])
+    num_labels = classifier.out_features
+    head = {
+        "num_labels": num_labels,
+        "classifier_dropout": dropout,
+        "problem_type": "regression" if num_labels == 1 else "single_label_classification",
+    }
+    if labels is not None:
+        if len(labels) != num_labels:
+            raise ExportError(f"{len(labels)} label names for a classifier with {num_labels} outputs")
+        head["id2label"] = dict(enumerate(labels))
+        head["label2id"] = {name: i for i, name in enumerate(labels)}
+    state = _submodule_state(encoder)
+    head_state = _prefixed("classifier.", _submodule_state(classifier))
+    if pooler is not None:
+        head_state |= _prefixed("pooler.0.", _submodule_state(pooler))
+    chosen = choose_format(arch, format)
+    native_pooler = pooler is not None and pooler.out_features == arch.hidden_size
+    if chosen == "bert" and not native_pooler:
+        if format == "bert":
+            raise ExportError(
+                "a native BertForSequenceClassification pools through Linear(hidden, hidden) -> Tanh: this"
+                " classifier has "
+                + ("no pooler" if pooler is None else f"a {pooler.out_features}-wide one")
+                + ". Use format crammed_bert."
+            )
+        chosen = "crammed_bert"
+    if chosen == "bert":
+        hf_state = _prefixed("bert.", bert_encoder_state(state, arch.num_layers))
+        hf_state |= {key.replace("pooler.0.", "bert.pooler.dense."): v for key, v in head_state.items()}
+        model = _fill(BertForSequenceClassification(bert_config(arch, vocab, special, **head)), hf_state)
+    else:
+        if pooler is not None:
+            head["classifier_head_dim"] = pooler.out_features
+        model = crammed.CrammedBertForSequenceClassification(crammed_config(arch, vocab, special, **head))
+        model = _fill(model, _prefixed("encoder.", state) | head_state)
+    tokenizer = Tokenizer.from_file(str(directory / TOKENIZER))
+    return _save(model, tokenizer, special, Path(out), arch.max_seq_length)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "checkpoint", help="a run folder, its checkpoint/ folder, or a run name under --base-dir"
+    )
+    parser.add_argument("out", help="the folder to write (new or empty)")
+    parser.add_argument("--base-dir", default="outputs", help="where runs are looked up by name")
+    parser.add_argument(
+        "--format", default="auto", choices=FORMATS, help="auto: native BERT where it applies"
+    )
+    args = parser.parse_args(argv)
+    try:
+        out = to_transformers(args.checkpoint, args.out, base_dir=args.base_dir, format=args.format)
+    except (ExportError, FileNotFoundError) as err:
+        raise SystemExit(f"export failed: {err}") from err
+    remote = (out / MODELING_FILE.name).is_file()
+    flag = ", trust_remote_code=True" if remote else ""
+    print(f"wrote {out}")
+    print(f"load it:  AutoModelForMaskedLM.from_pretrained({str(out)!r}{flag})")
+    if remote:
+        print("          (no trust_remote_code needed in a process that has imported cramming.hf)")
+    print(f"GLUE:     python eval.py checkpoint=hf:{out}")

@@ -1,0 +1,472 @@
+"""Hugging Face transformers export (crammed BERT as remote code, BERT natively, classifiers) and import
+(any local encoder folder as a fine-tuning Backbone). Skipped when transformers is not installed."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
+
+transformers = pytest.importorskip("transformers")
+
+from cramming.data.config import NormalizerConfig, TokenizerConfig  # noqa: E402
+from cramming.data.tokenizer import SpecialTokens, build_normalizer, train_tokenizer  # noqa: E402
+from cramming.hf import CrammedBertForMaskedLM, CrammedBertModel  # noqa: E402
+from cramming.hf.export import (  # noqa: E402
+    ExportError,
+    classifier_to_transformers,
+    crammed_config,
+    to_transformers,
+)
+from cramming.hf.export import main as export_main  # noqa: E402
+from cramming.hf.load import load_hf_backbone  # noqa: E402
+from cramming.model import ArchConfig, BertForMLM, build_model  # noqa: E402
+from cramming.model.checkpoint import TOKENIZER, save_pretrained  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+# fp32 on the CPU, the same operations in the same order on both sides: what is left is summation order
+# inside library kernels, a few ulps of values of order 1
+ATOL = 1e-5
+TEXTS = [
+    "The capital of France is Paris, and the capital of Germany is Berlin.",
+    "Paris is a large city on the river Seine in the north of France.",
+    "Berlin is the largest city of Germany and lies on the river Spree.",
+    "The river flows through the city and into the sea.",
+    "A small model is trained on one GPU in a single day.",
+    "The model reads a sentence and predicts the missing word.",
+    "Many people live in the city, and many more visit it every year.",
+    "The north of the country is cold, the south is warm.",
+] * 4
+SENTENCE = "The capital of France is [MASK]."
+
+
+def arch(name: str, **overrides) -> ArchConfig:
+    cfg = OmegaConf.merge(
+        OmegaConf.structured(ArchConfig), OmegaConf.load(REPO / "conf" / "arch" / f"{name}.yaml"), overrides
+    )
+    return OmegaConf.to_object(cfg)
+
+
+TINY = {"max_seq_length": 64}
+SMALL_BERT_BASE = {
+    "num_layers": 2,
+    "hidden_size": 32,
+    "num_heads": 4,
+    "intermediate_size": 64,
+    "max_seq_length": 64,
+}
+
+
+class SequenceClassifier(torch.nn.Module):
+    """cramming.eval.finetune.SequenceClassifier: the first token's final hidden state -> dropout -> head."""
+
+    def __init__(self, encoder: torch.nn.Module, hidden_size: int, num_labels: int, dropout: float):
+        super().__init__()
+        self.encoder = encoder
+        self.dropout = torch.nn.Dropout(dropout)
+        self.head = torch.nn.Linear(hidden_size, num_labels)
+
+    def forward(self, input_ids, attention_mask, token_type_ids=None) -> torch.Tensor:
+        hidden = self.encoder(input_ids, attention_mask, token_type_ids)  # (batch, seq, hidden)
+        return self.head(self.dropout(hidden[:, 0]))  # (batch, num_labels)
+
+
+def make_checkpoint(folder: Path, arch_config: ArchConfig) -> tuple[BertForMLM, Path]:
+    """A checkpoint as pretraining writes it: our tokenizer pipeline on TEXTS, and a model whose every weight
+    (LayerNorm gains and biases included, zero or one at initialization) is random, so a misplaced one shows."""
+    norm_cfg = NormalizerConfig()
+    norm = build_normalizer(norm_cfg)
+    tokenizer = train_tokenizer(
+        [[norm.normalize_str(t) for t in TEXTS]], TokenizerConfig(vocab_size=300, min_frequency=1), norm_cfg
+    )
+    model = build_model(arch_config, tokenizer.get_vocab_size())
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    directory = save_pretrained(
+        model, folder / "checkpoint", tokenizer, seq_length=64, special=SpecialTokens(), info={"updates": 0}
+    )
+    return model.eval(), directory
+
+
+def all_logits(model: BertForMLM, ids, mask=None, types=None) -> torch.Tensor:
+    with torch.no_grad():
+        return model.head(model.encoder(ids, mask, types))  # (batch, seq, vocab)
+
+
+def encode_batch(tokenizer: Tokenizer, pairs) -> dict[str, torch.Tensor]:
+    """Pairs and single sentences padded to the longest: real inputs with a padding mask."""
+    encodings = tokenizer.encode_batch(pairs)
+    longest = max(len(e.ids) for e in encodings)
+    ids = torch.zeros(len(pairs), longest, dtype=torch.long)
+    types = torch.zeros_like(ids)
+    mask = torch.zeros_like(ids)
+    for row, e in enumerate(encodings):
+        ids[row, : len(e.ids)] = torch.tensor(e.ids)
+        types[row, : len(e.ids)] = torch.tensor(e.type_ids)
+        mask[row, : len(e.ids)] = 1
+    return {"input_ids": ids, "attention_mask": mask, "token_type_ids": types}
+
+
+PAIRS = [(TEXTS[0], TEXTS[1]), (TEXTS[3], TEXTS[6]), (TEXTS[4], TEXTS[7])]  # of three lengths: padding
+
+
+@pytest.fixture(scope="module")
+def crammed(tmp_path_factory):
+    """A tiny crammed-bert checkpoint and its export."""
+    root = tmp_path_factory.mktemp("crammed")
+    model, checkpoint = make_checkpoint(root / "run", arch("tiny", **TINY))
+    out = to_transformers(checkpoint, root / "hf")
+    return model, checkpoint, out
+
+
+# Run in a fresh interpreter that cannot import cramming: -I (no cwd, no PYTHON* variables) and -S (no site:
+# the editable install's finder is a .pth hook), with site-packages put back by hand. cwd is outside the repo.
+# AutoTokenizer is called as a user would, without trust_remote_code: transformers 5 reads config.json first
+# and, finding remote code there, asks whether to run it; with no terminal (stdin closed) it takes "no" and
+# falls back to the plain tokenizer, which needs nothing from the remote code.
+FRESH_SCRIPT = """
+import json, sys
+sys.path.append({site!r})
+try:
+    import cramming
+    raise SystemExit("cramming is importable: the test would prove nothing")
+except ModuleNotFoundError:
+    pass
+import torch
+from transformers import AutoModel, AutoModelForMaskedLM, AutoTokenizer, pipeline
+
+out = {out!r}
+tokenizer = AutoTokenizer.from_pretrained(out)
+batch = tokenizer({firsts!r}, {seconds!r}, padding=True, return_tensors="pt")
+mlm = AutoModelForMaskedLM.from_pretrained(out, trust_remote_code=True).eval()
+base = AutoModel.from_pretrained(out, trust_remote_code=True).eval()
+with torch.no_grad():
+    logits = mlm(**batch).logits
+    hidden = base(**batch).last_hidden_state
+fill = pipeline("fill-mask", model=out, trust_remote_code=True, top_k=5)
+torch.save(
+    {{
+        "batch": dict(batch),
+        "logits": logits,
+        "hidden": hidden,
+        "class": type(mlm).__name__,
+        "tokenizer": type(tokenizer).__name__,
+        "fill": fill({sentence!r}),
+    }},
+    {result!r},
+)
+"""
+
+
+@pytest.fixture(scope="module")
+def fresh(crammed, tmp_path_factory) -> dict:
+    """The export loaded by transformers alone, in another process."""
+    _, _, out = crammed
+    work = tmp_path_factory.mktemp("fresh")
+    script = FRESH_SCRIPT.format(
+        site=sysconfig.get_paths()["purelib"],
+        out=str(out),
+        firsts=[a for a, _ in PAIRS],
+        seconds=[b for _, b in PAIRS],
+        result=str(work / "result.pt"),
+        sentence=SENTENCE,
+    )
+    env = {"HF_HOME": str(work / "hf_home"), "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"}
+    done = subprocess.run(
+        [sys.executable, "-I", "-S", "-c", script],
+        cwd=work,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return torch.load(work / "result.pt")
+
+
+@pytest.mark.slow  # a second Python process importing torch and transformers
+def test_crammed_export_runs_in_transformers_alone(crammed, fresh):
+    model, checkpoint, out = crammed
+    result = fresh
+    assert result["class"] == "CrammedBertForMaskedLM"
+    assert sorted(p.name for p in out.iterdir()) == [
+        "config.json",
+        "model.safetensors",
+        "modeling_crammed_bert.py",
+        "special_tokens_map.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ]
+    ours = encode_batch(Tokenizer.from_file(str(checkpoint / TOKENIZER)), PAIRS)
+    batch = result["batch"]
+    for key in ("input_ids", "token_type_ids", "attention_mask"):  # the exported tokenizer is ours
+        torch.testing.assert_close(batch[key], ours[key], rtol=0, atol=0, msg=f"tokenizer: {key} differ")
+    expected = all_logits(model, batch["input_ids"], batch["attention_mask"])
+    difference = (result["logits"] - expected).abs().max().item()
+    print(f"crammed export, fresh process: max |logits - ours| = {difference:.3g}")
+    assert difference <= ATOL, (
+        f"max abs difference {difference:.3g} at {(result['logits'] - expected).abs().argmax()}"
+    )
+    with torch.no_grad():
+        hidden = model.encoder(batch["input_ids"], batch["attention_mask"])
+    torch.testing.assert_close(result["hidden"], hidden, rtol=0, atol=ATOL)
+
+
+@pytest.mark.slow  # a second Python process importing torch and transformers
+def test_fill_mask_pipeline_ranks_as_our_model(crammed, fresh):
+    model, checkpoint, _ = crammed
+    answer = fresh
+    assert answer["tokenizer"] in ("PreTrainedTokenizerFast", "TokenizersBackend")
+    tokenizer = Tokenizer.from_file(str(checkpoint / TOKENIZER))
+    encoding = tokenizer.encode(SENTENCE)
+    position = encoding.ids.index(SpecialTokens().mask)
+    probs = all_logits(model, torch.tensor([encoding.ids]))[0, position].softmax(-1)
+    top = probs.topk(5)
+    assert [r["token"] for r in answer["fill"]] == top.indices.tolist()
+    torch.testing.assert_close(
+        torch.tensor([r["score"] for r in answer["fill"]]), top.values, rtol=0, atol=ATOL
+    )
+    for r in answer["fill"]:  # the sentence with the mask filled in, decoded
+        assert r["sequence"].startswith("the capital of france is") and "[MASK]" not in r["sequence"]
+
+
+def test_registered_in_process_without_remote_code(crammed):
+    model, checkpoint, out = crammed
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == "crammed_bert" and "AutoModelForMaskedLM" in config["auto_map"]
+    mlm = transformers.AutoModelForMaskedLM.from_pretrained(out).eval()
+    base = transformers.AutoModel.from_pretrained(out).eval()
+    assert isinstance(mlm, CrammedBertForMaskedLM) and isinstance(base, CrammedBertModel)
+    assert mlm.head.decoder.weight is mlm.encoder.embeddings.word.weight
+    batch = encode_batch(Tokenizer.from_file(str(checkpoint / TOKENIZER)), PAIRS)
+    with torch.no_grad():
+        got = mlm(**batch).logits
+        hidden = base(**batch).last_hidden_state
+        expected_hidden = model.encoder(batch["input_ids"], batch["attention_mask"])
+    torch.testing.assert_close(
+        got, all_logits(model, batch["input_ids"], batch["attention_mask"]), rtol=0, atol=ATOL
+    )
+    torch.testing.assert_close(hidden, expected_hidden, rtol=0, atol=ATOL)
+    # a new head on the pretrained encoder: transformers initializes what the folder lacks, and only that
+    fresh_head = transformers.AutoModelForSequenceClassification.from_pretrained(out, num_labels=2).eval()
+    assert fresh_head.classifier.weight.std() > 0
+    with torch.no_grad():
+        torch.testing.assert_close(
+            fresh_head.encoder(**batch).last_hidden_state, expected_hidden, rtol=0, atol=ATOL
+        )
+
+
+def test_bert_base_exports_as_native_bert(tmp_path):
+    model, checkpoint = make_checkpoint(tmp_path / "run", arch("bert-base", **SMALL_BERT_BASE))
+    out = to_transformers(checkpoint, tmp_path / "hf")
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == "bert" and "auto_map" not in config
+    assert not (out / "modeling_crammed_bert.py").exists()
+    hf = transformers.BertForMaskedLM.from_pretrained(out).eval()
+    batch = encode_batch(Tokenizer.from_file(str(checkpoint / TOKENIZER)), PAIRS)
+    assert batch["token_type_ids"].any()  # the token-type embeddings are exercised
+    with torch.no_grad():
+        got = hf(**batch).logits
+    expected = all_logits(model, batch["input_ids"], batch["attention_mask"], batch["token_type_ids"])
+    difference = (got - expected).abs().max().item()
+    print(f"bert-base export, native BertForMaskedLM: max |logits - ours| = {difference:.3g}")
+    assert difference <= ATOL
+
+
+@pytest.mark.parametrize(
+    ("name", "overrides"),
+    [
+        # BERT's options through the crammed_bert file: post-LN, learned positions, token types, biases,
+        # plain GELU FFN, head transform, decoder bias
+        ("bert-base", SMALL_BERT_BASE),
+        # the switches neither preset flips: no LayerNorm bias, untied decoder, no embedding/final norm
+        (
+            "tiny",
+            {
+                **TINY,
+                "norm_bias": False,
+                "tie_embeddings": False,
+                "embedding_norm": False,
+                "final_norm": False,
+                "head_transform": True,
+                "decoder_bias": True,
+                "type_vocab_size": 2,
+            },
+        ),
+    ],
+)
+def test_every_arch_option_exports_as_crammed_bert(tmp_path, name, overrides):
+    model, checkpoint = make_checkpoint(tmp_path / "run", arch(name, **overrides))
+    out = to_transformers(checkpoint, tmp_path / "hf", format="crammed_bert")
+    hf = transformers.AutoModelForMaskedLM.from_pretrained(out).eval()
+    assert isinstance(hf, CrammedBertForMaskedLM)
+    tied = hf.head.decoder.weight is hf.encoder.embeddings.word.weight
+    assert tied == model.arch.tie_embeddings
+    batch = encode_batch(Tokenizer.from_file(str(checkpoint / TOKENIZER)), PAIRS)
+    with torch.no_grad():
+        got = hf(**batch).logits
+    expected = all_logits(model, batch["input_ids"], batch["attention_mask"], batch["token_type_ids"])
+    torch.testing.assert_close(got, expected, rtol=0, atol=ATOL)
+
+
+@pytest.mark.parametrize(
+    ("name", "pooler_width", "model_type"),
+    [
+        ("tiny", None, "crammed_bert"),  # our GLUE head today: dropout -> Linear on the first token
+        # a cramming-style pooler: Linear(hidden, 48) -> Tanh -> dropout -> Linear
+        ("tiny", 48, "crammed_bert"),
+        ("bert-base", 32, "bert"),  # BERT's own pooler: a native BertForSequenceClassification
+        ("bert-base", None, "crammed_bert"),  # BERT cannot skip its pooler: remote code
+    ],
+)
+def test_sequence_classifier_export(tmp_path, name, pooler_width, model_type):
+    overrides = SMALL_BERT_BASE if name == "bert-base" else TINY
+    model, checkpoint = make_checkpoint(tmp_path / "run", arch(name, **overrides))
+    hidden_size = model.arch.hidden_size
+    ours = SequenceClassifier(model.encoder, hidden_size, 3, dropout=0.1)
+    pooler = None
+    if pooler_width is not None:  # the pooled variant, built here as the pooler design describes it
+        pooler = torch.nn.Linear(hidden_size, pooler_width)
+        ours.head = torch.nn.Sequential(pooler, torch.nn.Tanh(), torch.nn.Linear(pooler_width, 3))
+    classifier = ours.head if pooler is None else ours.head[2]
+    with torch.no_grad():
+        for p in ours.head.parameters():
+            p.normal_()
+    out = classifier_to_transformers(
+        checkpoint, ours.encoder, classifier, tmp_path / "hf", pooler=pooler, labels=["a", "b", "c"]
+    )
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == model_type and config["id2label"] == {"0": "a", "1": "b", "2": "c"}
+    hf = transformers.AutoModelForSequenceClassification.from_pretrained(out).eval()
+    batch = encode_batch(Tokenizer.from_file(str(checkpoint / TOKENIZER)), PAIRS)
+    ours.eval()
+    with torch.no_grad():
+        expected = ours(batch["input_ids"], batch["attention_mask"], batch["token_type_ids"])
+        got = hf(**batch).logits
+    assert got.shape == (len(PAIRS), 3)
+    torch.testing.assert_close(got, expected, rtol=0, atol=ATOL)
+    labels = torch.tensor([0, 2, 1])
+    with torch.no_grad():
+        loss = hf(**batch, labels=labels).loss
+    torch.testing.assert_close(loss, torch.nn.functional.cross_entropy(expected, labels), rtol=0, atol=ATOL)
+
+
+def test_export_errors_name_the_problem(crammed, tmp_path):
+    _, checkpoint, _ = crammed
+    with pytest.raises(ExportError, match="not empty"):
+        to_transformers(checkpoint, checkpoint)
+    with pytest.raises(ExportError, match=r"arch.ffn='glu' \(BERT: 'gelu'\).*arch.norm_scheme"):
+        to_transformers(checkpoint, tmp_path / "bert", format="bert")
+    incomplete = tmp_path / "incomplete"
+    incomplete.mkdir()
+    for name in ("model.safetensors", "model_config.json"):
+        (incomplete / name).write_bytes((checkpoint / name).read_bytes())
+    with pytest.raises(ExportError, match="has no tokenizer.json"):
+        to_transformers(incomplete, tmp_path / "out")
+    odd = arch("tiny")
+    odd.ffn = "swiglu"  # an option a later cramming might add and the modeling file does not know
+    with pytest.raises(ExportError, match="ffn='swiglu'"):
+        crammed_config(odd, 100, SpecialTokens())
+
+
+def test_missing_transformers_says_how_to_install(monkeypatch):
+    import importlib
+
+    monkeypatch.setitem(sys.modules, "transformers", None)  # None in sys.modules: the import fails
+    monkeypatch.delitem(sys.modules, "cramming.hf")
+    with pytest.raises(ImportError, match=r"pip install 'cramming\[hf\]'"):
+        importlib.import_module("cramming.hf")
+
+
+@pytest.mark.slow  # a second Python process importing torch and transformers
+def test_export_script_finds_a_run_by_name(crammed, tmp_path):
+    _, checkpoint, _ = crammed
+    run = tmp_path / "outputs" / "demo" / "2026-01-01_00-00-00"  # {base_dir}/{name}/{start time}/checkpoint
+    shutil.copytree(checkpoint, run / "checkpoint")
+    command = [sys.executable, str(REPO / "scripts" / "export_hf.py"), "demo", str(tmp_path / "hf")]
+    done = subprocess.run(
+        [*command, "--base-dir", str(tmp_path / "outputs")], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (tmp_path / "hf" / "config.json").is_file()
+    assert "trust_remote_code=True" in done.stdout and "checkpoint=hf:" in done.stdout
+    with pytest.raises(SystemExit, match="export failed: no checkpoint at nosuch"):  # one clear line
+        export_main(["nosuch", str(tmp_path / "hf2"), "--base-dir", str(tmp_path / "outputs")])
+
+
+def tiny_bert_folder(folder: Path) -> Path:
+    """A randomly initialized BertForMaskedLM and a WordPiece tokenizer built here, saved as transformers does."""
+    words = sorted({w.strip(".,").lower() for t in TEXTS for w in t.split()})
+    vocab = {token: i for i, token in enumerate(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *words])}
+    tok = Tokenizer(models.WordPiece(vocab, unk_token="[UNK]"))
+    tok.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]",
+        pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+        special_tokens=[("[CLS]", 2), ("[SEP]", 3)],
+    )
+    config = transformers.BertConfig(
+        vocab_size=len(vocab), hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+        max_position_embeddings=64, hidden_dropout_prob=0.15,
+    )  # fmt: skip
+    transformers.BertForMaskedLM(config).save_pretrained(folder)
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, cls_token="[CLS]", sep_token="[SEP]", pad_token="[PAD]", unk_token="[UNK]",
+        mask_token="[MASK]",
+    )  # fmt: skip
+    fast.save_pretrained(folder)
+    return folder
+
+
+def test_load_hf_backbone_wraps_a_bert_folder(tmp_path):
+    folder = tiny_bert_folder(tmp_path / "bert")
+    backbone = load_hf_backbone(folder, "cpu")
+    assert (backbone.hidden_size, backbone.dropout, backbone.pad_id) == (32, 0.15, 0)
+    assert backbone.info["model_type"] == "bert" and backbone.info["architectures"] == ["BertForMaskedLM"]
+    pair = backbone.tokenizer.encode("Paris is a city", "Berlin is a city")
+    assert pair.tokens[0] == "[CLS]" and pair.tokens[-1] == "[SEP]" and pair.type_ids[-1] == 1
+    reference = transformers.BertModel.from_pretrained(folder, add_pooling_layer=False).eval()
+    batch = encode_batch(backbone.tokenizer, PAIRS)
+    mask = batch["attention_mask"].bool()  # fine-tuning passes a bool mask
+    backbone.encoder.eval()
+    with torch.no_grad():
+        got = backbone.encoder(batch["input_ids"], mask, batch["token_type_ids"])
+        expected = reference(**batch).last_hidden_state
+    assert got.shape == (len(PAIRS), batch["input_ids"].shape[1], 32)
+    torch.testing.assert_close(got, expected, rtol=0, atol=ATOL)
+
+
+def test_load_hf_backbone_refuses_a_tokenizer_without_special_tokens(tmp_path):
+    folder = tiny_bert_folder(tmp_path / "bert")
+    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    tok.post_processor = None
+    tok.save(str(folder / "tokenizer.json"))
+    with pytest.raises(ValueError, match=r"post-processor does not put special tokens around"):
+        load_hf_backbone(folder, "cpu")
+    (folder / "tokenizer.json").unlink()
+    with pytest.raises(FileNotFoundError, match="has no tokenizer.json"):
+        load_hf_backbone(folder, "cpu")
+
+
+def test_exported_crammed_model_round_trips_as_a_backbone(crammed):
+    model, checkpoint, out = crammed
+    backbone = load_hf_backbone(out, "cpu")
+    assert (backbone.hidden_size, backbone.dropout, backbone.pad_id) == (64, 0.1, 0)
+    assert backbone.tokenizer.to_str() == Tokenizer.from_file(str(checkpoint / TOKENIZER)).to_str()
+    batch = encode_batch(backbone.tokenizer, PAIRS)
+    backbone.encoder.eval()
+    with torch.no_grad():
+        got = backbone.encoder(batch["input_ids"], batch["attention_mask"].bool(), batch["token_type_ids"])
+        expected = model.encoder(batch["input_ids"], batch["attention_mask"].bool(), batch["token_type_ids"])
+    torch.testing.assert_close(got, expected, rtol=0, atol=ATOL)
