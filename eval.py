@@ -1,4 +1,5 @@
-"""Fine-tune and evaluate a pretrained checkpoint on GLUE: `python eval.py checkpoint=<run name or folder>`.
+"""Fine-tune and evaluate a pretrained checkpoint on GLUE: `python eval.py checkpoint=<run name or folder>`,
+or any local `transformers` model folder: `python eval.py checkpoint=hf:<folder>`.
 
 Reads like the recipe: compose the config, find the checkpoint, fine-tune a fresh copy per task and seed,
 write the scores (JSON and a markdown table) into the run folder.
@@ -15,6 +16,7 @@ from omegaconf import DictConfig
 
 from cramming.config import register_configs, validate
 from cramming.errors import ConfigError
+from cramming.eval.backbone import Backbone
 from cramming.eval.config import EvalRunConfig
 from cramming.eval.run import checkpoint_backbone, run_glue
 from cramming.model import KernelUnavailableError
@@ -30,16 +32,31 @@ def main(cfg: DictConfig) -> None:
     run_job(evaluate, cfg, kind="eval")  # the run card is written however the job ends
 
 
+HF_PREFIX = "hf:"
+
+
+def load_backbone(config: EvalRunConfig) -> tuple[Path, Backbone]:
+    """(the folder evaluated, its Backbone): a cramming checkpoint by path or run name, or hf:<folder>."""
+    if config.checkpoint.startswith(HF_PREFIX):
+        from cramming.hf.load import load_hf_backbone  # transformers: only for hf: folders
+
+        folder = Path(config.checkpoint.removeprefix(HF_PREFIX))
+        return folder, load_hf_backbone(folder, config.impl.torch_device())
+    checkpoint = resolve_checkpoint(config.checkpoint, config.base_dir)
+    return checkpoint, checkpoint_backbone(checkpoint, config.impl)
+
+
 def evaluate(cfg: DictConfig, card: RunCard) -> None:
     try:
         config = validate(cfg, EvalRunConfig)
-        checkpoint = resolve_checkpoint(config.checkpoint, config.base_dir)
-    except (ConfigError, FileNotFoundError) as err:
+        config.impl.apply_threads()
+        checkpoint, backbone = load_backbone(config)
+    except (ConfigError, FileNotFoundError, KernelUnavailableError) as err:
+        raise JobFailed(err, exit_code=2) from err
+    except ImportError as err:  # hf: without transformers installed
         raise JobFailed(err, exit_code=2) from err
     log.info("evaluating %s on %s with %s", checkpoint, ", ".join(config.eval.tasks), config.eval.optim.name)
-    config.impl.apply_threads()
     try:
-        backbone = checkpoint_backbone(checkpoint, config.impl, config.base_dir)
         report = run_glue(config, backbone, Path(HydraConfig.get().runtime.output_dir))
     except (ConfigError, KernelUnavailableError) as err:
         raise JobFailed(err, exit_code=2) from err

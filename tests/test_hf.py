@@ -470,3 +470,22 @@ def test_exported_crammed_model_round_trips_as_a_backbone(crammed):
         got = backbone.encoder(batch["input_ids"], batch["attention_mask"].bool(), batch["token_type_ids"])
         expected = model.encoder(batch["input_ids"], batch["attention_mask"].bool(), batch["token_type_ids"])
     torch.testing.assert_close(got, expected, rtol=0, atol=ATOL)
+
+
+@pytest.mark.slow
+def test_eval_py_fine_tunes_a_transformers_folder(tmp_path, glue_dir):
+    """`python eval.py checkpoint=hf:<folder>`: the same GLUE runner on any local transformers encoder."""
+    folder = tiny_bert_folder(tmp_path / "bert")
+    done = subprocess.run(
+        [
+            sys.executable, "eval.py", f"checkpoint=hf:{folder}", f"base_dir={tmp_path / 'out'}", "name=hf",
+            f"eval.glue_dir={glue_dir}", "eval.tasks=[RTE]", "eval.epochs=1", "eval.max_train_examples=32",
+            "eval.max_eval_examples=32", "impl.device=cpu", "impl.cpu_threads=1",
+        ],
+        cwd=REPO, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    (results,) = (tmp_path / "out" / "hf").glob("*/glue_results.json")
+    report = json.loads(results.read_text())
+    assert set(report["scores"]) == {"RTE"} and report["checkpoint"] == str(folder.resolve())
+    assert report["runs"][0]["steps"] == 2  # 32 examples, batch 16, one epoch

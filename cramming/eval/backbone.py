@@ -19,3 +19,8 @@ class Backbone:
     tokenizer: Tokenizer  # adds [CLS] a [SEP] (b [SEP]) itself (its post-processor)
     pad_id: int
     info: dict = field(default_factory=dict)  # what the results record about where it came from
+    # the most positions the encoder takes; inputs are truncated to min(eval.max_length, this)
+    max_positions: int | None = None
+
+    def input_length(self, wanted: int) -> int:
+        return wanted if self.max_positions is None else min(wanted, self.max_positions)

@@ -130,7 +130,13 @@ def finetune(
     encoder = copy.deepcopy(backbone.encoder).to(device)
     model = SequenceClassifier(encoder, backbone.hidden_size, task.num_labels, backbone.dropout).to(device)
     epochs, lr, batch_size = cfg.for_task(task.name)
-    train = encode(splits["train"], backbone.tokenizer, cfg.max_length, cfg.max_train_examples, seed)
+    train = encode(
+        splits["train"],
+        backbone.tokenizer,
+        backbone.input_length(cfg.max_length),
+        cfg.max_train_examples,
+        seed,
+    )
     optimizer = build_optimizer(model, _with_lr(cfg, lr), max_grad_norm=cfg.grad_clip, scope="eval.optim")
     step = TrainStep(
         model, optimizer, device_type=device.type, dtype=impl.compute_dtype(device), grad_clip=cfg.grad_clip
@@ -244,7 +250,9 @@ def evaluate(
     seed: int,
 ) -> dict[str, float]:  # fmt: skip
     device = next(model.parameters()).device
-    data = encode(split, backbone.tokenizer, cfg.max_length, cfg.max_eval_examples, seed)
+    data = encode(
+        split, backbone.tokenizer, backbone.input_length(cfg.max_length), cfg.max_eval_examples, seed
+    )
     model.eval()
     predictions = []
     # longest first: batches of similar length pad little

@@ -46,6 +46,7 @@ def checkpoint_backbone(
         dropout=arch.dropout,
         tokenizer=pretrained.tokenizer,
         pad_id=pretrained.config["special_tokens"]["pad"],
+        max_positions=arch.max_seq_length,
         info={"checkpoint": str(pretrained.path), "pretraining": pretrained.config.get("training", {})},
     )
 
@@ -72,7 +73,7 @@ def run_glue(
     scores = summarize(glue.per_entry)
     average, used = glue_average(scores)
     table = markdown_table(scores, skipped, glue.not_run) if scores else "No task could be evaluated.\n"
-    source = backbone.info.get("checkpoint", "")
+    source = backbone.info.get("checkpoint") or backbone.info.get("path", "")
     report = {
         "checkpoint": source,
         "pretraining": backbone.info.get("pretraining", {}),

@@ -122,4 +122,5 @@ def load_hf_backbone(
         tokenizer=tokenizer,
         pad_id=int(pad_id),
         info=info,
+        max_positions=getattr(config, "max_position_embeddings", None),
     )
