@@ -23,14 +23,13 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch._dynamo  # noqa: F401  imported before the budget clock starts: the first optimizer does it (5-10 s)
 from torch import nn
 
 from cramming.budget import BudgetClock
-from cramming.config import PretrainConfig
 from cramming.data import PretrainingData
 from cramming.errors import ConfigError
 from cramming.model import IGNORE_INDEX, ArchConfig, build_model, count_parameters
@@ -44,6 +43,9 @@ from cramming.train.signals import StopSignals, catch_stop_signals
 from cramming.train.step import TrainStep
 from cramming.train.tensorboard import TensorBoardWriter
 from cramming.utils import seed_everything
+
+if TYPE_CHECKING:  # annotations only: the top-level schema also knows eval/, which train/ never imports
+    from cramming.config import PretrainConfig
 
 log = logging.getLogger("cramming")
 STATE_VERSION = 2  # 2: masks keyed by stream row (no masking RNG), the train step's scaler
