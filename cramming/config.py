@@ -15,12 +15,13 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from cramming.data.config import DataConfig
-from cramming.errors import ConfigError, config_error
+from cramming.errors import ConfigError, check_choice, config_error
 from cramming.eval.anytime import AnytimeConfig
 from cramming.eval.config import EvalRunConfig
 from cramming.impl import ImplConfig
 from cramming.model.config import ArchConfig
 from cramming.train.config import TrainConfig
+from cramming.train.distributed import PARALLEL
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 
@@ -48,6 +49,7 @@ class PretrainConfig:
     anytime: AnytimeConfig = field(default_factory=AnytimeConfig)
 
     def __post_init__(self) -> None:
+        check_choice("impl.distributed", self.impl.distributed, PARALLEL)
         if self.budget <= 0:
             raise config_error(
                 "budget", self.budget, "give the wall-clock budget in hours, e.g. budget=24 or budget=0.1"

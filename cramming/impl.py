@@ -54,8 +54,8 @@ class ImplConfig:
         check_choice("impl.precision", self.precision, ("auto", *DTYPES))
         check_choice("impl.attention", self.attention, ATTENTION)
         check_choice("impl.layernorm", self.layernorm, LAYERNORM)
-        # impl.distributed is checked against the parallelism registry when a run starts
-        # (cramming.train.distributed.init_from_env): this low-level module does not import the training stack
+        # impl.distributed is checked against the parallelism registry by PretrainConfig (cramming/config.py):
+        # this low-level module does not import the training stack
         if isinstance(self.microbatch_size, str) and self.microbatch_size.isdigit():
             self.microbatch_size = int(self.microbatch_size)
         if self.microbatch_size != "auto" and (

@@ -138,6 +138,7 @@ def make_step(model, optimizer, device: torch.device, dtype: torch.dtype, forwar
     train_step = TrainStep(model, optimizer, device_type=device.type, dtype=dtype, grad_clip=0.5)
 
     def step(corrupted: torch.Tensor, labels: torch.Tensor) -> None:
+        train_step.begin()
         with train_step.autocast():
             loss = forward(corrupted, labels)
         train_step.backward(loss)
@@ -154,7 +155,10 @@ def build_ours(
     )
     optimizer = build_optimizer(model, OptimConfig())
     runner = torch.compile(model) if args.compile else model
-    step = make_step(model, optimizer, device, dtype, lambda ids, labels: runner(ids, labels).loss)
+    k = MLMMasker(MLMConfig(), 10, SPECIAL, MASK_ID).predicted_per_row(args.seq)  # static sparse prediction
+    step = make_step(
+        model, optimizer, device, dtype, lambda ids, labels: runner(ids, labels, predicted_per_row=k).loss
+    )
     flops = train_flops_per_token(arch, vocab, args.seq, predicted_fraction=masked_fraction(args.seq))
     return Candidate(f"ours ({arch.name})", count_parameters(model), flops, step, optimizer)
 

@@ -65,7 +65,11 @@ def time_updates(args: argparse.Namespace) -> dict:
             with distributed.grad_sync(step_model, ranks, sync=i == args.accumulate - 1):
                 input_ids, labels = masker(rows, torch.arange(len(rows)) + ranks.rank * len(rows))
                 with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
-                    loss = step_model(input_ids.to(device), labels.to(device)).loss
+                    loss = step_model(
+                        input_ids.to(device),
+                        labels.to(device),
+                        predicted_per_row=masker.predicted_per_row(args.seq),
+                    ).loss
                 (loss / args.accumulate).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
         optimizer.step()

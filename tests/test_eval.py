@@ -8,9 +8,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from cramming.data.config import NormalizerConfig, TokenizerConfig
 from cramming.data.tokenizer import SpecialTokens, build_normalizer, train_tokenizer
+from cramming.errors import ConfigError
 from cramming.eval.config import EvalConfig, EvalRunConfig
 from cramming.eval.finetune import finetune
 from cramming.eval.glue_data import load_local
@@ -139,3 +141,31 @@ def test_schedule_warms_up_then_decays():
     # the decay starts right after the warm-up (before the registry: one step later)
     assert factors[10] == pytest.approx(1.0, abs=1e-3) and factors[-1] < 0.01
     assert all(a >= b for a, b in zip(factors[10:], factors[11:], strict=False))
+
+
+def test_glue_head_is_crammings_by_default_and_the_bare_linear_one_is_selectable():
+    from cramming.eval.config import HeadConfig
+    from cramming.eval.head import SequenceClassifier
+
+    encoder = torch.nn.Embedding(50, 16)  # a stand-in encoder: (ids, mask, types) -> (batch, seq, 16)
+
+    class Encoder(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = encoder
+
+        def forward(self, ids, mask, types=None):
+            return self.embed(ids)
+
+    default = SequenceClassifier(Encoder(), 16, 3, dropout=0.1, head=HeadConfig())
+    assert default.dense.out_features == 1024 and isinstance(default.nonlinearity, torch.nn.Tanh)
+    assert default.head.in_features == 1024 and torch.all(default.head.bias == 0)
+    assert default.head.weight.std().item() == pytest.approx(0.02, rel=0.1)  # 3072 draws: 10% is 4 sigma
+    bare = SequenceClassifier(Encoder(), 16, 3, dropout=0.1, head=HeadConfig(dim=0))
+    assert bare.dense is None and bare.head.in_features == 16
+    # mean pooling reads the real tokens only: padding changes nothing
+    mean = SequenceClassifier(Encoder(), 16, 2, dropout=0.0, head=HeadConfig(pooler="mean")).eval()
+    ids, mask = torch.tensor([[3, 4, 5, 0, 0]]), torch.tensor([[1, 1, 1, 0, 0]])
+    torch.testing.assert_close(mean(ids, mask), mean(ids[:, :3], mask[:, :3]), rtol=1e-6, atol=1e-6)
+    with pytest.raises(ConfigError, match="eval.head.pooler"):
+        EvalConfig(head=HeadConfig(pooler="max"))

@@ -19,6 +19,8 @@ transformers = pytest.importorskip("transformers")
 
 from cramming.data.config import NormalizerConfig, TokenizerConfig  # noqa: E402
 from cramming.data.tokenizer import SpecialTokens, build_normalizer, train_tokenizer  # noqa: E402
+from cramming.eval.config import HeadConfig  # noqa: E402
+from cramming.eval.head import SequenceClassifier  # noqa: E402
 from cramming.hf import CrammedBertForMaskedLM, CrammedBertModel  # noqa: E402
 from cramming.hf.export import (  # noqa: E402
     ExportError,
@@ -63,20 +65,6 @@ SMALL_BERT_BASE = {
     "intermediate_size": 64,
     "max_seq_length": 64,
 }
-
-
-class SequenceClassifier(torch.nn.Module):
-    """cramming.eval.finetune.SequenceClassifier: the first token's final hidden state -> dropout -> head."""
-
-    def __init__(self, encoder: torch.nn.Module, hidden_size: int, num_labels: int, dropout: float):
-        super().__init__()
-        self.encoder = encoder
-        self.dropout = torch.nn.Dropout(dropout)
-        self.head = torch.nn.Linear(hidden_size, num_labels)
-
-    def forward(self, input_ids, attention_mask, token_type_ids=None) -> torch.Tensor:
-        hidden = self.encoder(input_ids, attention_mask, token_type_ids)  # (batch, seq, hidden)
-        return self.head(self.dropout(hidden[:, 0]))  # (batch, num_labels)
 
 
 def make_checkpoint(folder: Path, arch_config: ArchConfig) -> tuple[BertForMLM, Path]:
@@ -322,25 +310,22 @@ def test_every_arch_option_exports_as_crammed_bert(tmp_path, name, overrides):
 @pytest.mark.parametrize(
     ("name", "pooler_width", "model_type"),
     [
-        ("tiny", None, "crammed_bert"),  # our GLUE head today: dropout -> Linear on the first token
-        # a cramming-style pooler: Linear(hidden, 48) -> Tanh -> dropout -> Linear
+        ("tiny", 0, "crammed_bert"),  # the bare linear head: dropout -> Linear on the first token
+        # cramming's GLUE head (eval.head default, narrower): Linear(hidden, 48) -> Tanh -> dropout -> Linear
         ("tiny", 48, "crammed_bert"),
         ("bert-base", 32, "bert"),  # BERT's own pooler: a native BertForSequenceClassification
-        ("bert-base", None, "crammed_bert"),  # BERT cannot skip its pooler: remote code
+        ("bert-base", 0, "crammed_bert"),  # BERT cannot skip its pooler: remote code
     ],
 )
 def test_sequence_classifier_export(tmp_path, name, pooler_width, model_type):
     overrides = SMALL_BERT_BASE if name == "bert-base" else TINY
     model, checkpoint = make_checkpoint(tmp_path / "run", arch(name, **overrides))
     hidden_size = model.arch.hidden_size
-    ours = SequenceClassifier(model.encoder, hidden_size, 3, dropout=0.1)
-    pooler = None
-    if pooler_width is not None:  # the pooled variant, built here as the pooler design describes it
-        pooler = torch.nn.Linear(hidden_size, pooler_width)
-        ours.head = torch.nn.Sequential(pooler, torch.nn.Tanh(), torch.nn.Linear(pooler_width, 3))
-    classifier = ours.head if pooler is None else ours.head[2]
+    # our fine-tuning classifier itself (cramming.eval.head), with every head weight random
+    ours = SequenceClassifier(model.encoder, hidden_size, 3, dropout=0.1, head=HeadConfig(dim=pooler_width))
+    pooler, classifier = ours.dense, ours.head
     with torch.no_grad():
-        for p in ours.head.parameters():
+        for p in [*classifier.parameters(), *(pooler.parameters() if pooler is not None else [])]:
             p.normal_()
     out = classifier_to_transformers(
         checkpoint, ours.encoder, classifier, tmp_path / "hf", pooler=pooler, labels=["a", "b", "c"]

@@ -260,3 +260,49 @@ def test_model_with_triton_kernels_matches_pytorch(monkeypatch):
     out_kernels.loss.backward()
     for (name, p_ref), p_kernels in zip(reference.named_parameters(), kernels.parameters(), strict=True):
         torch.testing.assert_close(p_kernels.grad, p_ref.grad, rtol=1e-3, atol=1e-4, msg=name)
+
+
+def crammed_bert_shape() -> ArchConfig:
+    """crammed-bert's every switch at its real widths, two layers deep (the graph repeats per layer)."""
+    return arch_from_yaml("crammed-bert", num_layers=2)
+
+
+def counted_batch(arch: ArchConfig, rows: int = 3, seq: int = 32, k: int = 8):
+    """Rows with exactly k labelled positions each, except the last row (fewer: a row short of maskable
+    tokens), as count masking makes them."""
+    input_ids = torch.randint(5, VOCAB, (rows, seq))
+    labels = torch.full_like(input_ids, IGNORE_INDEX)
+    for row in range(rows):
+        chosen = torch.randperm(seq)[: k if row < rows - 1 else k // 2]
+        labels[row, chosen] = input_ids[row, chosen]
+    return input_ids, labels, k
+
+
+@pytest.mark.parametrize("make_arch", [tiny, crammed_bert_shape], ids=["tiny", "crammed-bert"])
+def test_static_sparse_prediction_equals_the_dynamic_one(make_arch):
+    model = BertForMLM(make_arch(), VOCAB, dropout=0.0)
+    input_ids, labels, k = counted_batch(model.arch)
+    dynamic = model(input_ids, labels)
+    static = model(input_ids, labels, predicted_per_row=k)
+    assert static.logits.shape == (3 * k, VOCAB)  # fixed: rows x k, whatever the labels
+    # the same positions' logits (in another order) and one loss: fp32 sums over the same terms
+    assert sorted(static.labels[static.labels != IGNORE_INDEX].tolist()) == sorted(dynamic.labels.tolist())
+    torch.testing.assert_close(static.loss, dynamic.loss, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("make_arch", [tiny, crammed_bert_shape], ids=["tiny", "crammed-bert"])
+def test_training_forward_and_loss_is_one_graph(make_arch):
+    """Count masking's static sparse prediction: no data-dependent shape, no graph break (with the
+    boolean selection, dynamo split the forward at aten.nonzero: 3 graphs, 2 breaks)."""
+    model = BertForMLM(make_arch(), VOCAB, dropout=0.0)
+    input_ids, labels, k = counted_batch(model.arch)
+
+    def loss(input_ids, labels):
+        return model(input_ids, labels, predicted_per_row=k).loss
+
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(loss)(input_ids, labels)
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+    compiled = torch.compile(loss, fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(compiled(input_ids, labels), loss(input_ids, labels), rtol=1e-5, atol=1e-5)
+    torch._dynamo.reset()

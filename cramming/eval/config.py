@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from omegaconf import MISSING
 
 from cramming.errors import check_choice, config_error
+from cramming.eval.head import NONLINEARITIES, POOLERS
 from cramming.eval.tasks import GLUE_SANE, GLUE_TASKS
 from cramming.impl import ImplConfig
 from cramming.optim import OPTIMIZERS
@@ -42,6 +43,28 @@ class TaskOverride:
 
 
 @dataclass
+class HeadConfig:
+    """`eval.head`: the classifier on the encoder. Default: cramming's GLUE head."""
+
+    # how the hidden states become one vector: zero_index (the [CLS] token) | mean (of the real tokens)
+    pooler: str = "zero_index"
+    # width of the dense layer between pooling and classifier (cramming: 1024); 0: the bare linear head
+    dim: int = 1024
+    # after the dense layer: tanh (cramming, BERT's pooler) | gelu | relu | identity
+    nonlin: str = "tanh"
+    # normal(init_std) weights and zero biases, as the rest of the model
+    init_std: float = 0.02
+
+    def check(self) -> None:
+        check_choice("eval.head.pooler", self.pooler, POOLERS)
+        check_choice("eval.head.nonlin", self.nonlin, NONLINEARITIES)
+        if self.dim < 0:
+            raise config_error("eval.head.dim", self.dim, "use a width, or 0 for the bare linear head")
+        if self.init_std <= 0:
+            raise config_error("eval.head.init_std", self.init_std, "use a positive standard deviation")
+
+
+@dataclass
 class EvalConfig:
     """The `eval` group: which tasks, and the fine-tuning recipe (GLUE-sane by default)."""
 
@@ -55,6 +78,8 @@ class EvalConfig:
     max_length: int = 128
     # the optimizer: eval.optim.name is any train/optim name; its settings as in train.optim
     optim: OptimConfig = field(default_factory=_glue_sane_optim)
+    # the classifier head (cramming's by default; eval.head.dim=0: a bare linear layer)
+    head: HeadConfig = field(default_factory=HeadConfig)
     # a steps-* schedule of cramming.train.schedules.LR_SCHEDULES
     schedule: str = "steps-cosine"
     # fraction of the steps spent warming up linearly
@@ -76,6 +101,7 @@ class EvalConfig:
         check_choice("eval.schedule", self.schedule, SCHEDULES)
         check_choice("eval.optim.name", self.optim.name, OPTIMIZERS)
         self.optim.check("eval.optim")
+        self.head.check()
         for key in ("epochs", "batch_size", "max_length"):
             if getattr(self, key) < 1:
                 raise config_error(f"eval.{key}", getattr(self, key), "use a positive integer")

@@ -21,12 +21,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from tokenizers import Tokenizer
-from torch import nn
 
 from cramming.budget import BudgetClock
 from cramming.eval.backbone import Backbone
 from cramming.eval.config import EvalConfig
 from cramming.eval.glue_metric import load_glue_metric
+from cramming.eval.head import SequenceClassifier
 from cramming.eval.tasks import GlueTask
 from cramming.impl import ImplConfig
 from cramming.optim import build_optimizer
@@ -36,18 +36,6 @@ from cramming.train.step import TrainStep
 from cramming.utils import seed_everything
 
 log = logging.getLogger("cramming")
-
-
-class SequenceClassifier(nn.Module):
-    def __init__(self, encoder: nn.Module, hidden_size: int, num_labels: int, dropout: float):
-        super().__init__()
-        self.encoder = encoder
-        self.dropout = nn.Dropout(dropout)
-        self.head = nn.Linear(hidden_size, num_labels)
-
-    def forward(self, input_ids, attention_mask, token_type_ids=None) -> torch.Tensor:
-        hidden = self.encoder(input_ids, attention_mask, token_type_ids)  # (batch, seq, hidden)
-        return self.head(self.dropout(hidden[:, 0]))  # (batch, num_labels)
 
 
 @dataclass
@@ -128,7 +116,8 @@ def finetune(
     device = impl.torch_device()
     seed_everything(seed)
     encoder = copy.deepcopy(backbone.encoder).to(device)
-    model = SequenceClassifier(encoder, backbone.hidden_size, task.num_labels, backbone.dropout).to(device)
+    model = SequenceClassifier(encoder, backbone.hidden_size, task.num_labels, backbone.dropout, cfg.head)
+    model = model.to(device)
     epochs, lr, batch_size = cfg.for_task(task.name)
     train = encode(
         splits["train"],
@@ -190,11 +179,12 @@ def train_epoch(
     loss_value, loss_sum, seen = float("nan"), 0.0, 0
     for first in range(0, len(order), batch_size):
         batch = padded_batch(train, order[first : first + batch_size], pad_id, device)
+        step.begin(lr_factor(step.stats.applied + step.stats.skipped))
         with step.autocast():
             logits = model(batch["input_ids"], batch["attention_mask"], batch["token_type_ids"])
         loss = _loss(logits, batch["labels"], regression)
         step.backward(loss)
-        step.apply(loss.detach(), lr_factor(step.stats.applied + step.stats.skipped))
+        step.apply(loss.detach())
         loss_value = loss.item()
         loss_sum += loss_value * len(batch["labels"])
         seen += len(batch["labels"])

@@ -255,16 +255,33 @@ class BertForMLM(nn.Module):
         labels: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         token_type_ids: torch.Tensor | None = None,
+        predicted_per_row: int | None = None,
     ) -> MLMOutput:
+        """predicted_per_row: with sparse prediction, the most labelled positions a row has (count masking
+        knows it in advance). Given, the decoder runs on exactly that many positions per row: a static
+        shape, no host synchronization, one graph under torch.compile. None (probability masking): on the
+        labelled positions whatever their number (a data-dependent shape)."""
         hidden = self.encoder(input_ids, attention_mask, token_type_ids)  # (batch, seq, hidden)
-        hidden = hidden.flatten(0, 1)  # (batch * seq, hidden)
-        labels = labels.flatten()  # (batch * seq,)
-        if self.arch.sparse_prediction:
-            predicted = labels != IGNORE_INDEX
-            hidden, labels = hidden[predicted], labels[predicted]  # (n_masked, hidden), (n_masked,)
+        if self.arch.sparse_prediction and predicted_per_row is not None:
+            hidden, labels = select_predicted(hidden, labels, predicted_per_row)  # (batch * k, hidden)
+        else:
+            hidden, labels = hidden.flatten(0, 1), labels.flatten()  # (batch * seq, hidden), (batch * seq,)
+            if self.arch.sparse_prediction:
+                predicted = labels != IGNORE_INDEX
+                hidden, labels = hidden[predicted], labels[predicted]  # (n_masked, hidden), (n_masked,)
         logits = self.head(hidden)  # (n, vocab)
         loss = F.cross_entropy(logits.float(), labels, ignore_index=IGNORE_INDEX)
         return MLMOutput(loss=loss, logits=logits, labels=labels)
+
+
+def select_predicted(hidden: torch.Tensor, labels: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k positions of each row that carry a label (rows with fewer fill up with unlabelled positions,
+    whose IGNORE_INDEX labels the loss skips): hidden (batch, seq, hidden) -> (batch * k, hidden), labels
+    (batch, seq) -> (batch * k,). topk of a 0/1 mask has a fixed output shape, unlike boolean indexing."""
+    k = min(k, labels.shape[1])
+    index = (labels != IGNORE_INDEX).to(torch.int8).topk(k, dim=1, sorted=False).indices  # (batch, k)
+    chosen = hidden.gather(1, index[..., None].expand(-1, -1, hidden.shape[-1]))  # (batch, k, hidden)
+    return chosen.flatten(0, 1), labels.gather(1, index).flatten()
 
 
 def count_parameters(model: nn.Module) -> int:

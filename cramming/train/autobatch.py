@@ -194,7 +194,11 @@ def step_measure(
     def one_step(rows: torch.Tensor) -> None:
         corrupted, labels = masker(rows, torch.arange(rows.shape[0]))
         with step.autocast():
-            out = model(corrupted.to(device), labels.to(device))
+            out = model(
+                corrupted.to(device),
+                labels.to(device),
+                predicted_per_row=masker.predicted_per_row(rows.shape[1]),
+            )
         step.backward(out.loss)
 
     def measure(size: int) -> float:

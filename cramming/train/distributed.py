@@ -36,7 +36,7 @@ import torch.distributed as dist
 from torch import nn
 
 from cramming.budget import BudgetClock
-from cramming.errors import ConfigError, check_choice
+from cramming.errors import ConfigError
 from cramming.impl import ImplConfig
 from cramming.model.checkpoint import unwrap
 from cramming.utils import launched_by_torchrun
@@ -80,7 +80,6 @@ def init_from_env(impl: ImplConfig) -> Ranks:
     """The process group torchrun asks for (made once per process; later calls join it again), or a single
     process when not launched by torchrun."""
     global _ranks
-    check_choice("impl.distributed", impl.distributed, PARALLEL)
     if _ranks is not None:
         return dataclasses.replace(_ranks, mode=impl.distributed)  # one group, a run's own choice of mode
     device = impl.torch_device()

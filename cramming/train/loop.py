@@ -104,6 +104,7 @@ class Run:
     masker: MLMMasker
     clock: BudgetClock
     microbatch_size: int  # impl.microbatch_size, or the one the search chose (the config is never written)
+    predicted_per_row: int | None  # the decoder's static positions per row (count masking), else None
     progress: Progress
     batches: Iterator[tuple[torch.Tensor, torch.Tensor]] | None = None  # (stream rows, input_ids)
     window: Window = field(default_factory=Window)
@@ -170,6 +171,7 @@ def set_up(
         masker=masker,
         clock=budget,
         microbatch_size=microbatch_size,
+        predicted_per_row=masker.predicted_per_row(data.seq_length),
         progress=Progress(),
         metrics_file=run_dir / "metrics.jsonl" if ranks.is_main else None,
         ranks=ranks,
@@ -263,6 +265,11 @@ def log_set_up(run: Run, dtype: torch.dtype) -> None:
         100 * train.batch_size_ramp,
         min(train.batch_size_start, train.batch_size),
     )
+    if run.cfg.arch.sparse_prediction and run.predicted_per_row is None:
+        log.info(
+            "probability masking: the decoder runs on each micro-batch's masked positions, a data-dependent"
+            " shape (a host synchronization per micro-batch; a graph break under torch.compile)"
+        )
 
 
 def log_model_size(model: nn.Module, arch: ArchConfig, vocab_size: int) -> None:
@@ -330,6 +337,7 @@ def run_update(run: Run) -> str | None:
         run.clock.fraction(), train_cfg.batch_size, mb, train_cfg.batch_size_ramp, train_cfg.batch_size_start
     )
     run.step_model.train()
+    run.step.begin(lr_factor(run))
     loss_sum = torch.zeros((), device=run.device)
     correct = torch.zeros((), device=run.device)
     predicted = torch.zeros((), device=run.device)
@@ -369,7 +377,7 @@ def forward_backward(run: Run, batch: tuple[torch.Tensor, torch.Tensor], loss_sc
     corrupted = corrupted.to(run.device, non_blocking=True)
     labels = labels.to(run.device, non_blocking=True)
     with run.step.autocast():
-        out = run.step_model(corrupted, labels)
+        out = run.step_model(corrupted, labels, predicted_per_row=run.predicted_per_row)
     run.step.backward(out.loss, loss_scale)
     return (out.loss.detach(), *mlm_accuracy_counts(out))
 
@@ -388,7 +396,7 @@ def mlm_accuracy_counts(out) -> tuple[torch.Tensor, torch.Tensor]:
 def apply_update(run: Run, loss: torch.Tensor) -> bool:
     """Step at the scheduled learning rate, or skip the update when the loss or the gradient is not finite."""
     progress, step = run.progress, run.step
-    applied = step.apply(loss, lr_factor(run))
+    applied = step.apply(loss)
     progress.skipped, progress.skipped_in_a_row = step.stats.skipped, step.stats.skipped_in_a_row
     if applied:
         progress.updates += 1
@@ -626,7 +634,11 @@ def evaluate(run: Run) -> dict | None:
     for first in range(0, n, run.microbatch_size):
         part = slice(first, first + run.microbatch_size)
         with run.step.autocast():
-            out = run.model(corrupted[part].to(run.device), labels[part].to(run.device))
+            out = run.model(
+                corrupted[part].to(run.device),
+                labels[part].to(run.device),
+                predicted_per_row=run.predicted_per_row,
+            )
         right, count = mlm_accuracy_counts(out)
         loss += out.loss.float().item() * count.item()
         correct += right.item()

@@ -56,6 +56,12 @@ class MLMMasker:
         """Tokens chosen per row in `count` mode."""
         return max(1, round(self.cfg.mask_fraction * seq_length))
 
+    def predicted_per_row(self, seq_length: int) -> int | None:
+        """The most labelled positions a row can have: known in `count` mode (the model then predicts with a
+        static shape), None in `probability` mode (the model selects the labelled positions, a
+        data-dependent shape: one graph break under torch.compile and a host synchronization per step)."""
+        return self.num_masked(seq_length) if self.cfg.mode == "count" else None
+
     def __call__(self, input_ids: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """input_ids (batch, seq) of the stream rows `rows` (batch,) -> (corrupted input_ids, labels); labels
         hold the original id where a token was chosen and IGNORE_INDEX elsewhere."""

@@ -1,10 +1,12 @@
 """One optimizer update, written once: pretraining, fine-tuning, the micro-batch search and the benchmarks
 all train through `TrainStep`.
 
+    step.begin(lr_factor)              the update's learning rate (before backward: a layerwise optimizer
+                                       steps inside it)
     with step.autocast():              forward in the compute dtype
         loss = ...
     step.backward(loss, scale)         scaled backward (fp16: the loss scaler), once per micro-batch
-    step.apply(loss, lr_factor)        the non-finite check, unscale, clip, optimizer step, zero-grad
+    step.apply(loss)                   the non-finite check, unscale, clip, optimizer step, zero-grad
 
 `apply` skips the update, leaving the weights and the optimizer state untouched, when the loss or the
 gradient norm is not finite: `clip_grad_norm_` would turn an inf gradient into NaN weights. Both checks share
@@ -65,6 +67,11 @@ class TrainStep:
             group.setdefault("peak_lr", group["lr"])  # lr_factor multiplies this
         self.stats = StepStats()
 
+    def begin(self, lr_factor: float = 1.0) -> None:
+        """Start an update at `lr_factor` times each group's peak rate."""
+        for group in self.optimizer.param_groups:
+            group["lr"] = group["peak_lr"] * lr_factor
+
     def autocast(self) -> contextlib.AbstractContextManager:
         return torch.autocast(self.device_type, dtype=self.dtype, enabled=self.dtype != torch.float32)
 
@@ -72,10 +79,8 @@ class TrainStep:
         """Accumulate the gradient of `loss * scale` (1 / micro-batches per update when accumulating)."""
         self.scaler.scale(loss * scale).backward()
 
-    def apply(self, loss: torch.Tensor, lr_factor: float = 1.0) -> bool:
+    def apply(self, loss: torch.Tensor) -> bool:
         """Finish the update whose mean micro-batch loss is `loss`: True when applied, False when skipped."""
-        for group in self.optimizer.param_groups:
-            group["lr"] = group["peak_lr"] * lr_factor
         norm = self._unscale_and_clip()
         finite = torch.isfinite(loss) if norm is None else torch.isfinite(loss) & torch.isfinite(norm)
         if not finite.item():  # the one host-device synchronization per update
