@@ -306,3 +306,29 @@ def test_training_forward_and_loss_is_one_graph(make_arch):
     compiled = torch.compile(loss, fullgraph=True, backend="aot_eager")
     torch.testing.assert_close(compiled(input_ids, labels), loss(input_ids, labels), rtol=1e-5, atol=1e-5)
     torch._dynamo.reset()
+
+
+def test_crammings_small_recipe_details():
+    """The [PAD] row starts at zero and gets no gradient; weight decay reaches every weight except norms and
+    biases, the scaled-sinusoid position scale included (cramming's grouping)."""
+    from cramming.optim import param_groups
+
+    model = BertForMLM(arch_from_yaml("bert-base", **SMALL_BERT_BASE), VOCAB, dropout=0.0)
+    word = model.encoder.embeddings.word
+    assert word.padding_idx == 0 and torch.all(word.weight[0] == 0)
+    input_ids, labels = mlm_batch()
+    input_ids[:, -2:] = 0  # padded positions
+    model(input_ids, labels, attention_mask=input_ids != 0).loss.backward()
+    # tied: the decoder's [PAD] logit still trains the row; the embedding lookup alone would not
+    untied = BertForMLM(arch_from_yaml("bert-base", **SMALL_BERT_BASE, tie_embeddings=False), VOCAB, dropout=0.0)
+    untied(input_ids, labels, attention_mask=input_ids != 0).loss.backward()
+    assert torch.all(untied.encoder.embeddings.word.weight.grad[0] == 0)
+
+    crammed = BertForMLM(tiny(), VOCAB, dropout=0.0)
+    decay, no_decay = param_groups(crammed, 0.01)
+    names = {id(p): n for n, p in crammed.named_parameters()}
+    decayed = {names[id(p)] for p in decay["params"]}
+    not_decayed = {names[id(p)] for p in no_decay["params"]}
+    assert "encoder.embeddings.position.scale" in decayed
+    assert all("norm" in n for n in not_decayed) and "encoder.final_norm.weight" in not_decayed
+    assert decayed | not_decayed == set(names.values())

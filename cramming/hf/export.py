@@ -41,7 +41,8 @@ FORMATS = ("auto", "bert", "crammed_bert")
 MODELING_FILE = Path(crammed.__file__)
 
 # Every ArchConfig field -> its CrammedBertConfig keyword, or None for a field that changes no output:
-# `name` is a label, `sparse_prediction` picks which positions the training loss decodes.
+# `name` is a label, `sparse_prediction` picks which positions the training loss decodes, `padding_idx` only
+# keeps the [PAD] row's gradient at zero.
 CRAMMED_FIELDS = {
     "name": None,
     "num_layers": "num_hidden_layers",
@@ -61,6 +62,7 @@ CRAMMED_FIELDS = {
     "decoder_bias": "decoder_bias",
     "tie_embeddings": "tie_word_embeddings",
     "sparse_prediction": None,
+    "padding_idx": None,
     "norm_eps": "layer_norm_eps",
     "dropout": "hidden_dropout_prob",  # and attention_probs_dropout_prob: cramming has one dropout
     "init_std": "initializer_range",

@@ -70,7 +70,7 @@ class Embeddings(nn.Module):
 
     def __init__(self, arch: ArchConfig, vocab_size: int, dropout: float, layernorm: str):
         super().__init__()
-        self.word = nn.Embedding(vocab_size, arch.hidden_size)
+        self.word = nn.Embedding(vocab_size, arch.hidden_size, padding_idx=arch.padding_idx)
         self.position = POSITIONS[arch.position_embedding](arch.hidden_size, arch.max_seq_length)
         self.token_type = (
             nn.Embedding(arch.type_vocab_size, arch.hidden_size) if arch.type_vocab_size else None
@@ -246,6 +246,8 @@ class BertForMLM(nn.Module):
     def _init_weights(self, module: nn.Module) -> None:
         if isinstance(module, nn.Linear | nn.Embedding):
             nn.init.normal_(module.weight, mean=0.0, std=self.arch.init_std)
+        if isinstance(module, nn.Embedding) and module.padding_idx is not None:
+            nn.init.zeros_(module.weight[module.padding_idx])
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
 

@@ -53,6 +53,9 @@ class ArchConfig:
     dropout: float = 0.1
     # standard deviation of the normal initialization of every weight matrix and embedding
     init_std: float = 0.02
+    # the [PAD] id (0 in our tokenizers): its word-embedding row starts at zero and gets no gradient, as in
+    # cramming; null: an ordinary row
+    padding_idx: int | None = 0
 
     def __post_init__(self) -> None:
         check_choice("arch.ffn", self.ffn, FFN_KINDS)

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from cramming.errors import ConfigError, check_choice
+from cramming.model.bert import LayerNorm as CrammedLayerNorm
 from cramming.optim.adafactor import Adafactor
 from cramming.optim.adamw import KERNELS, AdamW
 from cramming.optim.base import LeanOptimizer, check_layerwise_loop
@@ -41,13 +42,20 @@ __all__ = [
 ]
 
 
+# normalization layers: their gains (and biases) are never decayed
+NORM_LAYERS = (nn.LayerNorm, nn.RMSNorm, nn.GroupNorm, nn.modules.batchnorm._BatchNorm, CrammedLayerNorm)
+
+
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """Split parameters into decayed (matrices) and not decayed (norms, biases: every tensor of < 2 dims)."""
+    """Split parameters into decayed and not decayed: normalization layers' parameters and biases are not
+    decayed; everything else is, the scaled-sinusoid position scale included (cramming's grouping: it is
+    not a norm or a bias, though a scalar)."""
+    norms = {id(p) for m in model.modules() if isinstance(m, NORM_LAYERS) for p in m.parameters(recurse=False)}
     decay, no_decay = [], []
-    for _, param in model.named_parameters():
+    for name, param in model.named_parameters():
         if not param.requires_grad:
             continue
-        (decay if param.ndim >= 2 else no_decay).append(param)
+        (no_decay if id(param) in norms or name.endswith("bias") else decay).append(param)
     return [
         {"params": decay, "weight_decay": weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
