@@ -169,3 +169,14 @@ def test_glue_head_is_crammings_by_default_and_the_bare_linear_one_is_selectable
     torch.testing.assert_close(mean(ids, mask), mean(ids[:, :3], mask[:, :3]), rtol=1e-6, atol=1e-6)
     with pytest.raises(ConfigError, match="eval.head.pooler"):
         EvalConfig(head=HeadConfig(pooler="max"))
+
+
+def test_fine_tuning_in_bf16_autocast_on_cpu(sst2):
+    """The GPU's autocast path, exercised on the CPU: fine-tuning in bf16 still fits the training subset."""
+    subset, checkpoint = sst2
+    cfg = EvalConfig(tasks=["SST-2"], optim=replace(EvalConfig().optim, lr=2e-3), epochs=8, batch_size=16)
+    impl = ImplConfig(device="cpu", precision="bf16")
+    splits = {"train": subset, "dev": subset}
+    result = finetune(GLUE_TASKS["SST-2"], splits, checkpoint_backbone(checkpoint, impl), cfg, impl, seed=0)
+    labels = np.asarray(subset["label"])
+    assert result.metrics["SST-2"]["accuracy"] > max(labels.mean(), 1 - labels.mean()) + 0.1

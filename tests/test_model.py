@@ -320,7 +320,9 @@ def test_crammings_small_recipe_details():
     input_ids[:, -2:] = 0  # padded positions
     model(input_ids, labels, attention_mask=input_ids != 0).loss.backward()
     # tied: the decoder's [PAD] logit still trains the row; the embedding lookup alone would not
-    untied = BertForMLM(arch_from_yaml("bert-base", **SMALL_BERT_BASE, tie_embeddings=False), VOCAB, dropout=0.0)
+    untied = BertForMLM(
+        arch_from_yaml("bert-base", **SMALL_BERT_BASE, tie_embeddings=False), VOCAB, dropout=0.0
+    )
     untied(input_ids, labels, attention_mask=input_ids != 0).loss.backward()
     assert torch.all(untied.encoder.embeddings.word.weight.grad[0] == 0)
 

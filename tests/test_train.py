@@ -258,3 +258,39 @@ def test_the_microbatch_size_changes_no_result(tmp_path):
     # fp32 sums in another order: relative differences of ~1e-7 per operation, a few hundred operations deep
     assert eight.validation["loss"] == pytest.approx(sixteen.validation["loss"], rel=1e-4)
     assert eight.validation["mlm_acc"] == pytest.approx(sixteen.validation["mlm_acc"], abs=1.5 / (16 * 8))
+
+
+def test_bf16_autocast_on_cpu(tmp_path):
+    """impl.precision=bf16 runs the GPU's autocast path on the CPU (PyTorch backends: the Triton interpreter
+    computes bf16 wrongly): the loss falls and the weights stay fp32 and finite."""
+    cfg = make_config(
+        tmp_path,
+        "impl.precision=bf16",
+        "train.steps=30",
+        "train.log_every=1",
+        "train.lr_schedule=steps-linear",
+    )
+    result = loop.train(cfg, synthetic_data(tmp_path / "data"), run_dir(cfg))
+    losses = [r["loss"] for r in read_metrics(run_dir(cfg)) if "loss" in r]
+    assert result.progress.updates == 30 and result.progress.skipped == 0
+    assert sum(losses[-5:]) / 5 < losses[0] - 0.5  # from ~log(200) = 5.3
+    from cramming.model.checkpoint import load_pretrained
+
+    weights = list(load_pretrained(result.checkpoint).model.parameters())
+    assert all(p.dtype == torch.float32 and torch.isfinite(p).all() for p in weights)
+
+
+@pytest.mark.slow
+def test_compiled_training_on_cpu(tmp_path):
+    """impl.compile=true on CPU (inductor): the loss falls, and the checkpoint's keys carry no _orig_mod."""
+    cfg = make_config(
+        tmp_path, "impl.compile=true", "train.steps=30", "train.log_every=1", "train.lr_schedule=steps-linear"
+    )
+    result = loop.train(cfg, synthetic_data(tmp_path / "data"), run_dir(cfg))
+    losses = [r["loss"] for r in read_metrics(run_dir(cfg)) if "loss" in r]
+    assert sum(losses[-5:]) / 5 < losses[0] - 0.5
+    from safetensors import safe_open
+
+    with safe_open(str(result.checkpoint / "model.safetensors"), "pt") as f:
+        keys = list(f.keys())
+    assert keys and not any("_orig_mod" in k for k in keys)
