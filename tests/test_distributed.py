@@ -25,10 +25,12 @@ from safetensors import safe_open
 from test_train import make_config, read_metrics, run_dir, synthetic_data
 
 from cramming.errors import ConfigError
+from cramming.model import build_model
 from cramming.model import checkpoint as model_checkpoint
 from cramming.train import checkpoint, distributed, loop
 from cramming.train.batches import RowStream, numbered
 from cramming.train.mlm import MLMMasker
+from cramming.utils import seed_everything
 
 REPO = Path(__file__).resolve().parent.parent
 WORKER = Path(__file__).resolve().parent / "distributed_worker.py"
@@ -87,6 +89,10 @@ def test_gradients_are_reduced_once_per_update(launched):
         assert run["allreduces"] == [0, 1] * 4
 
 
+def single_vocab(tmp_path) -> int:
+    return synthetic_data(tmp_path / "vocab").vocab_size
+
+
 @pytest.mark.slow
 def test_two_ranks_match_one_rank_with_twice_the_microbatch(launched, tmp_path):
     _, ranks = launched
@@ -104,12 +110,18 @@ def test_two_ranks_match_one_rank_with_twice_the_microbatch(launched, tmp_path):
     )
     single = loop.train(cfg, synthetic_data(tmp_path), run_dir(cfg))
     expected, weights = losses(single.run_dir), final_weights(single.checkpoint)
+    seed_everything(cfg.seed)  # the loop's initialization: the same seed, the same draws
+    initial = build_model(cfg.arch, single_vocab(tmp_path), dropout=cfg.train.dropout).state_dict()
     for mode in MODES:
         run = ranks[0][mode]
         torch.testing.assert_close(losses(run["run_dir"]), expected, rtol=1e-5, atol=0, msg=mode)
         theirs = final_weights(run["checkpoint"])
+        # The gradients differ only in summation order (~1e-7 relative), but AdamW divides by sqrt(v): an
+        # element whose gradient is near zero can take a step of another size or sign. So compare each
+        # tensor's difference with how far training moved it: rounding keeps it a small fraction of that.
         for key, value in weights.items():
-            torch.testing.assert_close(theirs[key], value, rtol=1e-5, atol=1e-6, msg=f"{mode}: {key}")
+            moved = (value - initial[key]).norm()
+            assert (theirs[key] - value).norm() <= 1e-3 * moved + 1e-7, f"{mode}: {key}"
 
 
 @pytest.mark.slow
@@ -123,11 +135,12 @@ def test_budget_stops_every_rank_after_the_same_microbatch(launched, mode):
         assert run["reason"] == "budget"
         assert (run["progress"]["microbatches"], run["progress"]["updates"]) == (7, 3)  # the 4th cut short
         assert run["elapsed"] == pytest.approx(420.0)
-    # both ranks' schedules read rank 0's budget fraction, 1/3, 2/3 and 1 at the three updates (triangle2,
-    # peak 1e-3 at 75%); rank 1's own clock would have said 1/9, 2/9, 1/3
+    # both ranks' schedules read rank 0's budget fraction when each update starts, 0, 1/3 and 2/3 (triangle2:
+    # 25% of the 1e-3 peak rising to it at 75%); rank 1's own clock would have said 0, 1/9, 2/9. (The rate is
+    # set before the update's backward: a layerwise optimizer steps inside it.)
     for record in ranks:
         assert record[f"{mode}_budget"]["reference"]["lr"] == pytest.approx(
-            [1e-3 * 7 / 12, 1e-3 * 11 / 12, 0.0]
+            [1e-3 * 3 / 12, 1e-3 * 7 / 12, 1e-3 * 11 / 12]
         )
 
 
