@@ -18,10 +18,11 @@ import logging
 import os
 import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import datasets
 import numpy as np
@@ -30,10 +31,12 @@ import pyarrow.compute as pc
 from omegaconf import OmegaConf
 from tokenizers import Tokenizer
 
-from cramming.data.config import DataConfig
 from cramming.data.sources import load_raw_corpus, source_fingerprint
 from cramming.data.tokenizer import SpecialTokens, build_normalizer, train_tokenizer
 from cramming.errors import DataSourceError
+
+if TYPE_CHECKING:  # config.py takes its choice list from ORDERINGS
+    from cramming.data.config import DataConfig
 
 log = logging.getLogger("cramming")
 
@@ -300,11 +303,28 @@ def _curriculum_order(rows: datasets.Dataset, vocab_size: int) -> np.ndarray:
     return np.argsort(scores, kind="stable")
 
 
+def _keep_order(rows: datasets.Dataset, seed: int, vocab_size: int) -> datasets.Dataset:
+    return rows
+
+
+def _shuffle(rows: datasets.Dataset, seed: int, vocab_size: int) -> datasets.Dataset:
+    return rows.shuffle(seed=seed)
+
+
+def _curriculum(rows: datasets.Dataset, seed: int, vocab_size: int) -> datasets.Dataset:
+    return rows.select(_curriculum_order(rows, vocab_size))
+
+
+# data.ordering -> (rows, seed, vocab size) -> the rows reordered
+ORDERINGS: dict[str, Callable[[datasets.Dataset, int, int], datasets.Dataset]] = {
+    "none": _keep_order,
+    "random": _shuffle,
+    "curriculum": _curriculum,
+}
+
+
 def _order(rows: datasets.Dataset, cfg: DataConfig, vocab_size: int) -> datasets.Dataset:
-    if cfg.ordering == "random":
-        rows = rows.shuffle(seed=cfg.seed)
-    elif cfg.ordering == "curriculum":
-        rows = rows.select(_curriculum_order(rows, vocab_size))
+    rows = ORDERINGS[cfg.ordering](rows, cfg.seed, vocab_size)
     if cfg.max_rows is not None and len(rows) > cfg.max_rows:
         rows = rows.select(range(cfg.max_rows))
     return rows

@@ -10,14 +10,18 @@ from __future__ import annotations
 import glob
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import datasets
 
 from cramming.data import embedded
-from cramming.data.config import DataConfig, SourceConfig
-from cramming.errors import DataSourceError
+from cramming.errors import DataSourceError, check_choice
+
+if TYPE_CHECKING:  # config.py takes its choice lists from SOURCE_KINDS and TXT_UNITS
+    from cramming.data.config import DataConfig, SourceConfig
 
 log = logging.getLogger("cramming")
 
@@ -31,6 +35,9 @@ LOCAL_FORMATS = {
     ".json": "json",
     ".parquet": "parquet",
 }
+
+# .txt files: what one entry is (the `sample_by` of the `datasets` text builder)
+TXT_UNITS = ("line", "paragraph", "document")
 
 OFFLINE_HINT = (
     "Without network, train on the embedded corpus (`python pretrain.py data=embedded`) or on local files "
@@ -61,14 +68,17 @@ def resolve_local_files(pattern: str) -> list[str]:
     return files
 
 
-def source_fingerprint(cfg: SourceConfig) -> str:
-    """What the source's content depends on beyond its config (no network needed)."""
-    if cfg.kind == "embedded":
-        return embedded.fingerprint()
-    if cfg.kind == "hub":
-        return f"hub:{cfg.path}:{cfg.subset}:{cfg.split}:{cfg.revision}"
+def _local_fingerprint(cfg: SourceConfig) -> str:
     stats = [(p, os.stat(p).st_size, os.stat(p).st_mtime_ns) for p in resolve_local_files(cfg.files)]
     return repr(stats)
+
+
+def _hub_fingerprint(cfg: SourceConfig) -> str:
+    return f"hub:{cfg.path}:{cfg.subset}:{cfg.split}:{cfg.revision}"
+
+
+def _embedded_fingerprint(cfg: SourceConfig) -> str:
+    return embedded.fingerprint()
 
 
 def _select_text(ds: datasets.Dataset, cfg: SourceConfig, where: str) -> datasets.Dataset:
@@ -156,7 +166,7 @@ def _load_hub(cfg: SourceConfig, hf_cache: Path) -> datasets.Dataset:
         raise DataSourceError(f"streaming {where} failed: {cause}. {OFFLINE_HINT}") from err
 
 
-def _load_embedded(cfg: SourceConfig) -> datasets.Dataset:
+def _load_embedded(cfg: SourceConfig, hf_cache: Path) -> datasets.Dataset:
     texts = [doc["text"] for doc in embedded.iter_stdlib_docs()]
     return _cap(datasets.Dataset.from_dict({"text": texts}, features=TEXT_FEATURES), cfg.max_entries)
 
@@ -171,13 +181,35 @@ def _join_entries(ds: datasets.Dataset, n: int) -> datasets.Dataset:
     return ds.map(join, batched=True, batch_size=n * 1000, desc=f"joining every {n} entries")
 
 
+@dataclass(frozen=True)
+class SourceKind:
+    """How one kind of source is read, and what its content depends on beyond its config."""
+
+    load: Callable[[SourceConfig, Path], datasets.Dataset]
+    # no network needed: file sizes and times, a hub revision, the Python version
+    fingerprint: Callable[[SourceConfig], str]
+
+
+# data.sources.<name>.kind -> how to read it
+SOURCE_KINDS: dict[str, SourceKind] = {
+    "hub": SourceKind(load=_load_hub, fingerprint=_hub_fingerprint),
+    "local": SourceKind(load=_load_local, fingerprint=_local_fingerprint),
+    "embedded": SourceKind(load=_load_embedded, fingerprint=_embedded_fingerprint),
+}
+
+
+def _kind_of(cfg: SourceConfig) -> SourceKind:
+    check_choice("data.sources.<name>.kind", cfg.kind, SOURCE_KINDS)
+    return SOURCE_KINDS[cfg.kind]
+
+
+def source_fingerprint(cfg: SourceConfig) -> str:
+    """What the source's content depends on beyond its config (no network needed)."""
+    return _kind_of(cfg).fingerprint(cfg)
+
+
 def load_source(cfg: SourceConfig, hf_cache: Path) -> datasets.Dataset:
-    if cfg.kind == "hub":
-        ds = _load_hub(cfg, hf_cache)
-    elif cfg.kind == "local":
-        ds = _load_local(cfg, hf_cache)
-    else:
-        ds = _load_embedded(cfg)
+    ds = _kind_of(cfg).load(cfg, hf_cache)
     if cfg.join_entries > 1:
         ds = _join_entries(ds, cfg.join_entries)
     return ds
