@@ -7,7 +7,9 @@ files make a new cache even when the config is the same.
 
 from __future__ import annotations
 
+import codecs
 import glob
+import gzip
 import logging
 import os
 from collections.abc import Callable, Iterator
@@ -99,8 +101,60 @@ def _cap(ds: datasets.Dataset, max_entries: int | None) -> datasets.Dataset:
     return ds
 
 
+def _without_empty_files(files: list[str]) -> list[str]:
+    """Leave out files of 0 bytes (`datasets` fails on them with no file name); all of them empty is an error."""
+    empty = [f for f in files if os.path.getsize(f) == 0]
+    if not empty:
+        return files
+    shown = ", ".join(empty[:3]) + (f" and {len(empty) - 3} more" if len(empty) > 3 else "")
+    if len(empty) == len(files):
+        raise DataSourceError(
+            f"every file of the source is empty (0 bytes): {shown}. "
+            "Point data.sources.<name>.files at files that hold text."
+        )
+    log.warning("leaving out %d empty file(s) (0 bytes): %s", len(empty), shown)
+    return [f for f in files if f not in empty]
+
+
+def _first_undecodable(path: str) -> tuple[int, int] | None:
+    """(offset, value) of the first byte that is not valid UTF-8 in a (gzipped) text file, or None."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    offset = 0  # bytes read so far
+    with (gzip.open if path.endswith(".gz") else open)(path, "rb") as f:
+        while True:
+            chunk = f.read(1 << 20)
+            held = len(decoder.buffer)  # the start of a sequence held back from the previous chunk
+            try:
+                decoder.decode(chunk, final=not chunk)
+            except UnicodeDecodeError as err:  # err.object is the held bytes + this chunk
+                return offset - held + err.start, err.object[err.start]
+            if not chunk:
+                return None
+            offset += len(chunk)
+
+
+def _read_error(builder: str, group: list[str], err: Exception) -> DataSourceError:
+    """Name the file and the problem behind a `datasets` failure ("An error occurred while generating...")."""
+    if builder in ("text", "json"):
+        for path in group:
+            bad = _first_undecodable(path)
+            if bad is not None:
+                offset, byte = bad
+                return DataSourceError(
+                    f"{path} is not UTF-8 text: byte 0x{byte:02x} at offset {offset} cannot be decoded "
+                    "(a binary file, or another encoding). Remove it from the source or convert it to UTF-8."
+                )
+    cause = err
+    while cause.__cause__ is not None or cause.__context__ is not None:
+        cause = cause.__cause__ or cause.__context__
+    detail = f"{err}" if cause is err else f"{err} ({type(cause).__name__}: {cause})"
+    return DataSourceError(
+        f"could not read {len(group)} {builder} file(s) starting with {group[0]}: {detail}"
+    )
+
+
 def _load_local(cfg: SourceConfig, hf_cache: Path) -> datasets.Dataset:
-    files = resolve_local_files(cfg.files)
+    files = _without_empty_files(resolve_local_files(cfg.files))
     by_builder: dict[str, list[str]] = {}
     for f in files:
         by_builder.setdefault(_format_of(f), []).append(f)
@@ -111,10 +165,8 @@ def _load_local(cfg: SourceConfig, hf_cache: Path) -> datasets.Dataset:
             ds = datasets.load_dataset(
                 builder, data_files=group, split="train", cache_dir=str(hf_cache), **kwargs
             )
-        except Exception as err:  # a malformed file: say which ones were being read
-            raise DataSourceError(
-                f"could not read {len(group)} {builder} file(s) starting with {group[0]}: {err}"
-            ) from err
+        except Exception as err:  # a malformed file: find it and say what is wrong with it
+            raise _read_error(builder, group, err) from err
         parts.append(_select_text(ds, cfg, f"{builder} file {group[0]}"))
         if cfg.max_entries is not None and sum(len(p) for p in parts) >= cfg.max_entries:
             break
@@ -216,10 +268,11 @@ def load_source(cfg: SourceConfig, hf_cache: Path) -> datasets.Dataset:
 
 
 def load_raw_corpus(cfg: DataConfig, hf_cache: Path) -> datasets.Dataset:
-    """All sources of the data config, concatenated in the order they are listed."""
+    """All sources of the data config, concatenated in the order they are listed; column `source` names
+    each entry's source."""
     parts = []
     for name, source in cfg.sources.items():
         ds = load_source(source, hf_cache)
         log.info("source %s (%s): %d entries", name, source.kind, len(ds))
-        parts.append(ds)
+        parts.append(ds.add_column("source", [name] * len(ds)))
     return datasets.concatenate_datasets(parts)
