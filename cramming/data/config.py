@@ -67,6 +67,10 @@ class NormalizerConfig:
     nfkc: bool = True
     lowercase: bool = True
     strip_accents: bool = True
+    # delete every character outside 7-bit ASCII, after the steps above (cramming's `force_english_keyboard`).
+    # Without it the WordPiece trainer keeps every character of the corpus in the vocabulary: one Wikipedia
+    # shard gives ~1,600 single-character entries at 32768 (results/tokenizer.md). Off keeps other scripts.
+    ascii_only: bool = True
 
 
 @dataclass
@@ -100,13 +104,33 @@ class TokenizerConfig:
 
     kind: str = "wordpiece"  # a key of tokenizer.TOKENIZER_KINDS: wordpiece, bpe (byte-level) or unigram
     vocab_size: int = 32768
-    # pieces seen fewer times than this are not added to the vocabulary
+    # pairs seen fewer times than this are not merged into a vocabulary entry (wordpiece, bpe; the unigram
+    # trainer has no such setting)
     min_frequency: int = 2
-    # train on at most this many texts (None: all of them)
+    # keep at most this many distinct characters, the most frequent (BERT: ~1000; null: all). wordpiece and
+    # bpe; byte-level BPE has 256 symbols whatever the text, so it needs at least 256; the unigram trainer has
+    # no such setting (ascii_only bounds its alphabet).
+    limit_alphabet: int | None = 1000
+    # train on at most this many texts, drawn at random from all sources in proportion to their document
+    # counts (None: all of them)
     max_train_entries: int | None = None
 
     def __post_init__(self) -> None:
         check_choice("data.tokenizer.kind", self.kind, TOKENIZER_KINDS)
+        if self.min_frequency < 1:
+            raise config_error("data.tokenizer.min_frequency", self.min_frequency, "use 1 (keep all) or more")
+        if self.limit_alphabet is not None:
+            least = 256 if self.kind == "bpe" else 1
+            if self.limit_alphabet < least:
+                raise config_error(
+                    "data.tokenizer.limit_alphabet",
+                    self.limit_alphabet,
+                    f"use at least {least} for {self.kind}, or null for no limit",
+                )
+        if self.max_train_entries is not None and self.max_train_entries < 1:
+            raise config_error(
+                "data.tokenizer.max_train_entries", self.max_train_entries, "use a positive count or null"
+            )
         if self.vocab_size < 64:
             raise config_error(
                 "data.tokenizer.vocab_size", self.vocab_size, "use at least 64 (cramming uses 32768)"

@@ -6,7 +6,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
 if TYPE_CHECKING:  # config.py takes its choice list from TOKENIZER_KINDS
     from cramming.data.config import NormalizerConfig, TokenizerConfig
@@ -30,8 +30,15 @@ class SpecialTokens:
 
 UNK = SPECIAL_TOKENS[SpecialTokens().unk]
 
+# Every run of characters outside 7-bit ASCII, deleted by `ascii_only` (cramming's `force_english_keyboard`).
+NON_ASCII = r"[^\x00-\x7F]+"
+
+
 def build_normalizer(cfg: NormalizerConfig) -> normalizers.Normalizer:
-    """The corpus normalization, also saved into the tokenizer so fine-tuning text is treated alike."""
+    """The corpus normalization, also saved into the tokenizer so fine-tuning text is treated alike.
+
+    Idempotent, so text normalized once by the pipeline can be tokenized without a second pass.
+    """
     steps: list[normalizers.Normalizer] = []
     if cfg.nfkc:
         steps.append(normalizers.NFKC())
@@ -40,7 +47,15 @@ def build_normalizer(cfg: NormalizerConfig) -> normalizers.Normalizer:
     if cfg.strip_accents:
         # decompose, drop the combining marks, recompose what is left
         steps += [normalizers.NFD(), normalizers.StripAccents(), normalizers.NFC()]
+    if cfg.ascii_only:
+        # last, so "café" has become "cafe" (with strip_accents) before anything is deleted
+        steps.append(normalizers.Replace(Regex(NON_ASCII), ""))
     return normalizers.Sequence(steps)
+
+
+def _alphabet_limit(cfg: TokenizerConfig) -> dict[str, int]:
+    # the trainers take no None: leaving the argument out is "no limit"
+    return {} if cfg.limit_alphabet is None else {"limit_alphabet": cfg.limit_alphabet}
 
 
 def _wordpiece(cfg: TokenizerConfig) -> tuple[Tokenizer, trainers.Trainer]:
@@ -50,6 +65,7 @@ def _wordpiece(cfg: TokenizerConfig) -> tuple[Tokenizer, trainers.Trainer]:
     trainer = trainers.WordPieceTrainer(
         vocab_size=cfg.vocab_size,
         min_frequency=cfg.min_frequency,
+        **_alphabet_limit(cfg),
         special_tokens=list(SPECIAL_TOKENS),
         show_progress=True,
     )
@@ -64,6 +80,7 @@ def _byte_level_bpe(cfg: TokenizerConfig) -> tuple[Tokenizer, trainers.Trainer]:
     trainer = trainers.BpeTrainer(
         vocab_size=cfg.vocab_size,
         min_frequency=cfg.min_frequency,
+        **_alphabet_limit(cfg),
         special_tokens=list(SPECIAL_TOKENS),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=True,
