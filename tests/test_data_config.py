@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from cramming.data import pipeline, sources, tokenizer
 from cramming.data.config import DataConfig, SourceConfig, TokenizerConfig
 from cramming.errors import ConfigError
+
+REPO = Path(__file__).resolve().parent.parent
 
 
 def _data(**overrides) -> DataConfig:
@@ -44,3 +48,13 @@ def test_loading_an_unregistered_source_kind_names_the_choices(tmp_path):
     # a SourceConfig built directly, without DataConfig's validation
     with pytest.raises(ConfigError, match="choose one of: hub, local, embedded"):
         sources.load_source(SourceConfig(kind="ftp"), tmp_path)
+
+
+@pytest.mark.parametrize("name", ["wikibooks", "fineweb-edu", "local", "embedded"])
+def test_data_configs_follow_the_cramming_tokenizer_recipe(name):
+    """ASCII-only text (cramming's force_english_keyboard) and BERT's ~1000-character alphabet."""
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.load(REPO / "conf" / "data" / f"{name}.yaml")
+    assert cfg.normalizer.ascii_only is True
+    assert cfg.tokenizer.limit_alphabet == 1000
