@@ -394,7 +394,7 @@ def test_every_text_filtered_out_names_the_filter_and_the_fix(tmp_path, data_con
     (folder / "a.txt").write_text("A first short line.\nA second one.\n")
     cfg = data_config(folder, {"sources.local.txt_unit": "line"})
     with pytest.raises(
-        DataSourceError, match=r"no text is left.*of the 2 entries read from data.sources.local"
+        DataSourceError, match=r"no text is left.*of 2 entries read from data.sources.local"
     ) as err:
         prepare_pretraining_data(cfg, tmp_path / "cache")
     assert "0 are empty after data.normalizer" in str(err.value)

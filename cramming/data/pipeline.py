@@ -207,7 +207,7 @@ def _nothing_left(raw: datasets.Dataset, cfg: DataConfig) -> DataSourceError:
     if emptied and cfg.normalizer.ascii_only:
         fixes.append("set data.normalizer.ascii_only=false to keep text in other scripts")
     return DataSourceError(
-        f"no text is left to train on: of the {len(raw)} entries read from {sources}, {empty} are empty, "
+        f"no text is left to train on: of {len(raw)} entries read from {sources}, {empty} are empty, "
         f"{emptied} are empty after data.normalizer (ascii_only={cfg.normalizer.ascii_only} deletes every "
         f"non-ASCII character), and {short} are shorter than data.filter.min_chars={min_chars} characters "
         f"after normalization. Fix: {', or '.join(fixes)}."
