@@ -13,10 +13,10 @@ import pytest
 
 from cramming.data import SPECIAL_TOKENS, load_pretraining_data, prepare_pretraining_data
 from cramming.data import pipeline as pipeline_module
-from cramming.data.config import NormalizerConfig, TokenizerConfig
+from cramming.data.config import NormalizerConfig, SourceConfig, TokenizerConfig
 from cramming.data.pipeline import cache_dir_for, join_with_separator
 from cramming.data.tokenizer import build_normalizer, train_tokenizer
-from cramming.errors import DataSourceError
+from cramming.errors import ConfigError, DataSourceError
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -46,10 +46,27 @@ def _all_rows(ds) -> np.ndarray:
 def test_normalizer_nfkc_lowercase_accents():
     norm = build_normalizer(NormalizerConfig())
     assert norm.normalize_str("Ｃafé Ǆ ﬁne Ⅻ") == "cafe dz fine xii"
-    keep_case = build_normalizer(NormalizerConfig(lowercase=False, strip_accents=False))
+    keep_case = build_normalizer(NormalizerConfig(lowercase=False, strip_accents=False, ascii_only=False))
     assert keep_case.normalize_str("Café ﬁne") == "Café fine"
-    nothing = build_normalizer(NormalizerConfig(nfkc=False, lowercase=False, strip_accents=False))
+    nothing = build_normalizer(
+        NormalizerConfig(nfkc=False, lowercase=False, strip_accents=False, ascii_only=False)
+    )
     assert nothing.normalize_str("Ｃafé ﬁne") == "Ｃafé ﬁne"
+
+
+def test_ascii_only_deletes_what_normalization_leaves_outside_ascii():
+    text = "Naïve Ｔokyo (東京) — Москва, 3×4 ½"
+    # accents are stripped and NFKC folds full-width letters first; the rest of non-ASCII goes, even the
+    # fraction slash NFKC makes of ½
+    assert build_normalizer(NormalizerConfig()).normalize_str(text) == "naive tokyo ()  , 34 12"
+    kept = build_normalizer(NormalizerConfig(ascii_only=False)).normalize_str(text)
+    assert kept == "naive tokyo (東京) — москва, 3×4 1⁄2"
+    # without strip_accents the accented letter itself is deleted, as in cramming
+    no_strip = NormalizerConfig(strip_accents=False)
+    assert build_normalizer(no_strip).normalize_str("Naïve café") == "nave caf"
+    # idempotent, which the pipeline relies on when it tokenizes text it normalized already
+    norm = build_normalizer(NormalizerConfig())
+    assert norm.normalize_str(norm.normalize_str(text)) == norm.normalize_str(text)
 
 
 def test_length_filter_dedup_and_trash_filter(tmp_path, wiki_texts, data_config):
@@ -113,6 +130,123 @@ def test_tokenizer_round_trip_and_special_ids(kind, wiki_texts):
     assert pair.ids[0] == tok.token_to_id("[CLS]")
     assert pair.ids.count(tok.token_to_id("[SEP]")) == 2
     assert set(pair.type_ids) == {0, 1}
+
+
+def _non_english(n: int) -> list[str]:
+    """Texts in other scripts, each word frequent enough for the trainer to keep its characters."""
+    words = ["東京都", "москва", "ελληνικά", "العربية", "हिन्दी"]
+    return [" ".join(words[(i + j) % len(words)] for j in range(40)) for i in range(n)]
+
+
+def _entries(tok) -> dict[str, int]:
+    vocab = list(tok.get_vocab())
+    pieces = [v.removeprefix("##") for v in vocab]
+    return {
+        "non_ascii": sum(not v.isascii() for v in vocab),
+        "chars": len({p for p in pieces if len(p) == 1}),
+    }
+
+
+def test_ascii_only_and_limit_alphabet_bound_the_vocabulary(wiki_texts):
+    raw = wiki_texts[:60] + _non_english(30)
+
+    def train(norm_cfg, tok_cfg):
+        norm = build_normalizer(norm_cfg)
+        texts = [norm.normalize_str(t) for t in raw]
+        return train_tokenizer([texts], tok_cfg, norm_cfg, length=len(texts))
+
+    everything = _entries(
+        train(NormalizerConfig(ascii_only=False), TokenizerConfig(vocab_size=2000, limit_alphabet=None))
+    )
+    assert everything["non_ascii"] > 40  # the other scripts' characters, plain and ##
+    ascii_tok = train(NormalizerConfig(), TokenizerConfig(vocab_size=2000, limit_alphabet=None))
+    assert _entries(ascii_tok)["non_ascii"] == 0
+    assert ascii_tok.token_to_id("[UNK]") not in ascii_tok.encode(raw[-1] + " " + raw[0][:500]).ids
+    # the 40 most frequent characters are all ASCII letters, digits and punctuation of the English text
+    limited = _entries(
+        train(NormalizerConfig(ascii_only=False), TokenizerConfig(vocab_size=2000, limit_alphabet=40))
+    )
+    assert limited["chars"] <= 40 < everything["chars"]
+    assert limited["non_ascii"] == 0
+
+
+def test_tokenizer_config_checks_the_alphabet_limit():
+    with pytest.raises(ConfigError, match=r"data.tokenizer.limit_alphabet.*at least 256 for bpe"):
+        TokenizerConfig(kind="bpe", limit_alphabet=100)
+    with pytest.raises(ConfigError, match=r"data.tokenizer.min_frequency"):
+        TokenizerConfig(min_frequency=0)
+    assert (
+        TokenizerConfig(kind="unigram").limit_alphabet == 1000
+    )  # accepted; the unigram trainer has no limit
+
+
+def test_ascii_only_applies_in_the_pipeline_and_its_cache_key(tmp_path, wiki_texts, data_config):
+    """The pipeline strips non-ASCII once, before tokenizing without the tokenizer's own normalizer pass; the
+    rows equal what the saved tokenizer (which strips it too) makes of the raw text."""
+    folder = tmp_path / "c"
+    folder.mkdir()
+    articles = [t for t in wiki_texts if len(t) > 1000][:30]  # none dropped by the length filter
+    texts = [t + " " + other for t, other in zip(articles, _non_english(30), strict=True)]
+    _write_jsonl(folder / "a.jsonl", texts)
+    base = {"ordering": "none", "validation_fraction": 0.0, "filter.max_tokens_per_char_vs_median": None}
+    data = prepare_pretraining_data(data_config(folder, base), tmp_path / "cache")
+    assert _entries(data.tokenizer)["non_ascii"] == 0
+    stream = []
+    for text in texts:
+        stream += data.tokenizer.encode(text, add_special_tokens=False).ids + [data.special.sep]
+    rows = _all_rows(data.train)
+    np.testing.assert_array_equal(rows.ravel(), np.array(stream[: rows.size]))
+    assert data.tokenizer.token_to_id("[UNK]") not in stream
+
+    kept = data_config(folder, base | {"normalizer.ascii_only": False})
+    assert cache_dir_for(kept, tmp_path / "cache") != data.path
+    kept_data = prepare_pretraining_data(kept, tmp_path / "cache")
+    assert _entries(kept_data.tokenizer)["non_ascii"] > 0
+
+
+# ---------------------------------------------------------------- the tokenizer's training sample
+
+
+def _two_sources(tmp_path, wiki_texts, data_config, overrides):
+    """Source `wiki`: 60 articles; source `made_up`: 20 texts of a word found nowhere else."""
+    for name, texts in (
+        ("wiki", wiki_texts[:60]),
+        ("made_up", ["the zorblaxian council met again. " * 30] * 20),
+    ):
+        (tmp_path / name).mkdir()
+        _write_jsonl(tmp_path / name / "a.jsonl", [f"{i}: {t}" for i, t in enumerate(texts)])
+    cfg = data_config(tmp_path / "wiki", {"validation_fraction": 0.0} | overrides)
+    cfg.sources = {
+        "wiki": cfg.sources["local"],
+        "made_up": SourceConfig(kind="local", files=str(tmp_path / "made_up")),
+    }
+    return cfg
+
+
+def test_tokenizer_sample_draws_from_every_source(tmp_path, wiki_texts, data_config, caplog):
+    cfg = _two_sources(tmp_path, wiki_texts, data_config, {"tokenizer.max_train_entries": 40})
+    with caplog.at_level(logging.INFO, logger="cramming"):
+        data = prepare_pretraining_data(cfg, tmp_path / "cache")
+    kept = {"wiki": data.stats["documents_after_dedup"] - 20, "made_up": 20}
+    # exact shares of 40 by largest remainder
+    expected = {name: round(40 * n / sum(kept.values())) for name, n in kept.items()}
+    assert sum(expected.values()) == 40
+    assert data.stats["tokenizer_train_documents"] == expected
+    assert f"{expected['wiki']} from wiki, {expected['made_up']} from made_up" in caplog.text
+    # the first 40 documents would all have been Wikipedia: the second source's word would be unknown
+    assert data.tokenizer.encode("zorblaxian", add_special_tokens=False).tokens == ["zorblaxian"]
+
+
+def test_tokenizer_sample_is_seeded_and_exact():
+    import datasets
+
+    sources = ["a"] * 70 + ["b"] * 25 + ["c"] * 5
+    docs = datasets.Dataset.from_dict({"text": [str(i) for i in range(100)], "source": sources})
+    first = pipeline_module._tokenizer_sample(docs, 11, seed=0)
+    assert pipeline_module._count_by_source(first) == {"a": 8, "b": 3}  # 7.7, 2.75, 0.55 -> 8, 3, 0
+    assert first["text"] == pipeline_module._tokenizer_sample(docs, 11, seed=0)["text"]
+    assert first["text"] != pipeline_module._tokenizer_sample(docs, 11, seed=1)["text"]
+    assert len(pipeline_module._tokenizer_sample(docs, 100, seed=0)) == 100
 
 
 # ---------------------------------------------------------------- packing
@@ -252,6 +386,29 @@ def test_too_little_text_is_a_clear_error(tmp_path, data_config):
     )
     with pytest.raises(DataSourceError, match="fewer than one row"):
         prepare_pretraining_data(data_config(folder, {"validation_fraction": 0.0}), tmp_path / "cache")
+
+
+def test_every_text_filtered_out_names_the_filter_and_the_fix(tmp_path, data_config):
+    folder = tmp_path / "c"
+    folder.mkdir()
+    (folder / "a.txt").write_text("A first short line.\nA second one.\n")
+    cfg = data_config(folder, {"sources.local.txt_unit": "line"})
+    with pytest.raises(
+        DataSourceError, match=r"no text is left.*of 2 entries read from data.sources.local"
+    ) as err:
+        prepare_pretraining_data(cfg, tmp_path / "cache")
+    assert "0 are empty after data.normalizer" in str(err.value)
+    assert "2 are shorter than data.filter.min_chars=64" in str(err.value)
+    assert "lower data.filter.min_chars (now 64)" in str(err.value)
+
+
+def test_text_in_other_scripts_only_points_at_ascii_only(tmp_path, data_config):
+    folder = tmp_path / "c"
+    folder.mkdir()
+    _write_jsonl(folder / "a.jsonl", _non_english(3) + [""])
+    with pytest.raises(DataSourceError, match=r"1 are empty, 3 are empty after data.normalizer") as err:
+        prepare_pretraining_data(data_config(folder), tmp_path / "cache")
+    assert "data.normalizer.ascii_only=false" in str(err.value)
 
 
 # ---------------------------------------------------------------- end to end on the shared Wikipedia data

@@ -127,3 +127,31 @@ def test_hub_unreachable_names_offline_alternatives(tmp_path):
         out.stderr
     )
     assert OFFLINE_HINT in out.stdout
+
+
+# ---------------------------------------------------------------- unreadable local files
+
+
+def test_empty_txt_file_is_named(tmp_path):
+    (tmp_path / "empty.txt").write_bytes(b"")
+    with pytest.raises(DataSourceError, match=r"every file of the source is empty \(0 bytes\): .*empty\.txt"):
+        load_source(SourceConfig(kind="local", files=str(tmp_path)), tmp_path / "hf")
+
+
+def test_empty_file_beside_others_is_left_out_with_a_warning(tmp_path, caplog):
+    (tmp_path / "a.txt").write_text("One paragraph of text.\n\nAnother one.\n")
+    (tmp_path / "b.txt").write_bytes(b"")
+    with caplog.at_level("WARNING", logger="cramming"):
+        ds = load_source(SourceConfig(kind="local", files=str(tmp_path)), tmp_path / "hf")
+    assert [t.strip() for t in ds["text"]] == ["One paragraph of text.", "Another one."]
+    assert "leaving out 1 empty file(s)" in caplog.text and "b.txt" in caplog.text
+
+
+@pytest.mark.parametrize("name", ["data.txt", "data.jsonl"])
+def test_binary_file_is_named_with_the_bad_byte(tmp_path, name):
+    good = tmp_path / ("a.txt" if name.endswith(".txt") else "a.jsonl")
+    good.write_text('{"text": "fine"}\n' if name.endswith(".jsonl") else "fine\n")
+    # a PNG header: 0x89 is not a valid first byte of a UTF-8 sequence
+    (tmp_path / name).write_bytes(b"ok\n" + b"\x89PNG\r\n\x1a\n" + bytes(range(256)))
+    with pytest.raises(DataSourceError, match=rf"{name} is not UTF-8 text: byte 0x89 at offset 3"):
+        load_source(SourceConfig(kind="local", files=str(tmp_path)), tmp_path / "hf")

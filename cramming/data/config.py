@@ -1,26 +1,25 @@
 """Typed configuration of the `data` group: where raw text comes from and how it becomes training rows.
 
 Everything here changes *what* the model sees, so all of it (except `name`) feeds the hash that names the
-processed-data cache. Speed-only knobs (worker processes) live in `impl`.
+processed-data cache. Speed-only knobs (worker processes) live in `impl`. The names a choice accepts are
+the keys of the registries beside the code that implements them (SOURCE_KINDS, TOKENIZER_KINDS, ORDERINGS).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from cramming.data.pipeline import ORDERINGS
+from cramming.data.sources import SOURCE_KINDS, TXT_UNITS
+from cramming.data.tokenizer import TOKENIZER_KINDS
 from cramming.errors import check_choice, config_error
-
-SOURCE_KINDS = ("hub", "local", "embedded")
-TOKENIZER_KINDS = ("wordpiece", "bpe", "unigram")
-ORDERINGS = ("none", "random", "curriculum")
-TEXT_UNITS = ("line", "paragraph", "document")
 
 
 @dataclass
 class SourceConfig:
     """One raw-text source. Several sources are concatenated in the order of their names."""
 
-    kind: str = "local"  # hub | local | embedded
+    kind: str = "local"  # a key of sources.SOURCE_KINDS: hub, local or embedded
     # hub: dataset path on the Hugging Face hub, e.g. "wikimedia/wikipedia"
     path: str | None = None
     # hub: subset / configuration name, e.g. "20231101.en"
@@ -44,7 +43,7 @@ class SourceConfig:
     def check(self, key: str) -> None:
         """Validate; `key` is where this source sits in the config, e.g. data.sources.local."""
         check_choice(f"{key}.kind", self.kind, SOURCE_KINDS)
-        check_choice(f"{key}.txt_unit", self.txt_unit, TEXT_UNITS)
+        check_choice(f"{key}.txt_unit", self.txt_unit, TXT_UNITS)
         if self.kind == "hub" and not self.path:
             raise config_error(
                 f"{key}.path", self.path, "a hub source needs `path`, e.g. wikimedia/wikipedia"
@@ -68,6 +67,10 @@ class NormalizerConfig:
     nfkc: bool = True
     lowercase: bool = True
     strip_accents: bool = True
+    # delete every character outside 7-bit ASCII, after the steps above (cramming's `force_english_keyboard`).
+    # Without it the WordPiece trainer keeps every character of the corpus in the vocabulary: one Wikipedia
+    # shard gives ~1,600 single-character entries at 32768 (results/tokenizer.md). Off keeps other scripts.
+    ascii_only: bool = True
 
 
 @dataclass
@@ -99,15 +102,35 @@ class FilterConfig:
 class TokenizerConfig:
     """A tokenizer trained from scratch on the corpus with the `tokenizers` library."""
 
-    kind: str = "wordpiece"  # wordpiece | bpe | unigram
+    kind: str = "wordpiece"  # a key of tokenizer.TOKENIZER_KINDS: wordpiece, bpe (byte-level) or unigram
     vocab_size: int = 32768
-    # pieces seen fewer times than this are not added to the vocabulary
+    # pairs seen fewer times than this are not merged into a vocabulary entry (wordpiece, bpe; the unigram
+    # trainer has no such setting)
     min_frequency: int = 2
-    # train on at most this many texts (None: all of them)
+    # keep at most this many distinct characters, the most frequent (BERT: ~1000; null: all). wordpiece and
+    # bpe; byte-level BPE has 256 symbols whatever the text, so it needs at least 256; the unigram trainer has
+    # no such setting (ascii_only bounds its alphabet).
+    limit_alphabet: int | None = 1000
+    # train on at most this many texts, drawn at random from all sources in proportion to their document
+    # counts (None: all of them)
     max_train_entries: int | None = None
 
     def __post_init__(self) -> None:
         check_choice("data.tokenizer.kind", self.kind, TOKENIZER_KINDS)
+        if self.min_frequency < 1:
+            raise config_error("data.tokenizer.min_frequency", self.min_frequency, "use 1 (keep all) or more")
+        if self.limit_alphabet is not None:
+            least = 256 if self.kind == "bpe" else 1
+            if self.limit_alphabet < least:
+                raise config_error(
+                    "data.tokenizer.limit_alphabet",
+                    self.limit_alphabet,
+                    f"use at least {least} for {self.kind}, or null for no limit",
+                )
+        if self.max_train_entries is not None and self.max_train_entries < 1:
+            raise config_error(
+                "data.tokenizer.max_train_entries", self.max_train_entries, "use a positive count or null"
+            )
         if self.vocab_size < 64:
             raise config_error(
                 "data.tokenizer.vocab_size", self.vocab_size, "use at least 64 (cramming uses 32768)"
@@ -126,7 +149,8 @@ class DataConfig:
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     # tokens per training row; documents are joined with [SEP] and cut, no padding
     seq_length: int = 128
-    # order of the packed rows: as read, shuffled, or easy-to-hard (rows of frequent tokens first)
+    # order of the packed rows (a key of pipeline.ORDERINGS): none (as read), random, or curriculum
+    # (easy to hard: rows of frequent tokens first)
     ordering: str = "random"
     # fraction of documents held out (before packing) for a validation split; 0 disables it
     validation_fraction: float = 0.005

@@ -1,7 +1,8 @@
 """The preprocessing pipeline and its cache.
 
-    raw text -> normalize + drop short texts -> exact dedup -> hold out validation documents
-             -> train tokenizer -> tokenize + drop "trash" (too many tokens per character)
+    raw text -> normalize + drop empty and short texts -> exact dedup -> hold out validation documents
+             -> train tokenizer (on a sample across sources) -> tokenize + drop "trash" (too many tokens
+             per character)
              -> join documents with [SEP] and cut into rows of seq_length -> order -> cap -> save
 
 The result (Arrow via `datasets`), the tokenizer and the resolved data config are saved together in
@@ -18,10 +19,11 @@ import logging
 import os
 import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import datasets
 import numpy as np
@@ -30,15 +32,18 @@ import pyarrow.compute as pc
 from omegaconf import OmegaConf
 from tokenizers import Tokenizer
 
-from cramming.data.config import DataConfig
 from cramming.data.sources import load_raw_corpus, source_fingerprint
 from cramming.data.tokenizer import SpecialTokens, build_normalizer, train_tokenizer
 from cramming.errors import DataSourceError
 
+if TYPE_CHECKING:  # config.py takes its choice list from ORDERINGS
+    from cramming.data.config import DataConfig
+
 log = logging.getLogger("cramming")
 
 # Bump when a change to this module changes what a given config produces: old caches then stop matching.
-PIPELINE_VERSION = 1
+# 2: the tokenizer's training texts are sampled across sources; texts empty after normalization are dropped.
+PIPELINE_VERSION = 2
 # Written last; a cache folder without it is not complete.
 STATS_FILE = "stats.json"
 # Texts per batch in the map steps; big enough to amortize Python overhead, small enough for memory.
@@ -148,20 +153,28 @@ def _text_megabytes(ds: datasets.Dataset) -> float:
 
 
 def _clean(raw: datasets.Dataset, cfg: DataConfig, num_proc: int, scratch: Path) -> datasets.Dataset:
-    """Normalize, drop texts shorter than min_chars, and add a 64-bit hash of each normalized text."""
+    """Normalize, drop texts that are empty or shorter than min_chars, and add a 64-bit hash of each text."""
     norm_cfg, min_chars = cfg.normalizer, cfg.filter.min_chars
 
     def clean(batch: dict[str, list[str]]) -> dict[str, list]:
         normalizer = build_normalizer(norm_cfg)  # cheap; built here so workers need not pickle it
-        texts = [normalizer.normalize_str(t).strip() for t in batch["text"] if t]
-        texts = [t for t in texts if len(t) >= min_chars]
-        digests = [
-            int.from_bytes(hashlib.blake2b(t.encode(), digest_size=8).digest(), "little", signed=True)
-            for t in texts
-        ]
-        return {"text": texts, "hash": digests}
+        kept: dict[str, list] = {"text": [], "source": [], "hash": []}
+        for text, source in zip(batch["text"], batch["source"], strict=True):
+            text = normalizer.normalize_str(text).strip() if text else ""
+            if text and len(text) >= min_chars:
+                kept["text"].append(text)
+                kept["source"].append(source)
+                digest = hashlib.blake2b(text.encode(), digest_size=8).digest()
+                kept["hash"].append(int.from_bytes(digest, "little", signed=True))
+        return kept
 
-    features = datasets.Features({"text": datasets.Value("string"), "hash": datasets.Value("int64")})
+    features = datasets.Features(
+        {
+            "text": datasets.Value("string"),
+            "source": datasets.Value("string"),
+            "hash": datasets.Value("int64"),
+        }
+    )
     return raw.map(
         clean,
         batched=True,
@@ -170,6 +183,34 @@ def _clean(raw: datasets.Dataset, cfg: DataConfig, num_proc: int, scratch: Path)
         features=features,
         cache_file_name=str(scratch / "clean.arrow"),
         desc="normalize + length filter",
+    )
+
+
+def _nothing_left(raw: datasets.Dataset, cfg: DataConfig) -> DataSourceError:
+    """Say which step removed every text, with counts per step (a second pass, run only on this failure)."""
+    sources = ", ".join(f"data.sources.{name}" for name in cfg.sources)
+    if len(raw) == 0:
+        return DataSourceError(f"{sources} gave no text at all: check the files or dataset they point at.")
+    normalizer, min_chars = build_normalizer(cfg.normalizer), cfg.filter.min_chars
+    empty = emptied = short = 0
+    for batch in _text_batches(raw):
+        for text in batch:
+            if not text or not text.strip():
+                empty += 1
+            elif not (normalized := normalizer.normalize_str(text).strip()):
+                emptied += 1
+            elif len(normalized) < min_chars:
+                short += 1
+    fixes = ["add text"]
+    if short:
+        fixes.append(f"lower data.filter.min_chars (now {min_chars})")
+    if emptied and cfg.normalizer.ascii_only:
+        fixes.append("set data.normalizer.ascii_only=false to keep text in other scripts")
+    return DataSourceError(
+        f"no text is left to train on: of {len(raw)} entries read from {sources}, {empty} are empty, "
+        f"{emptied} are empty after data.normalizer (ascii_only={cfg.normalizer.ascii_only} deletes every "
+        f"non-ASCII character), and {short} are shorter than data.filter.min_chars={min_chars} characters "
+        f"after normalization. Fix: {', or '.join(fixes)}."
     )
 
 
@@ -200,6 +241,33 @@ def _split_validation(
 def _text_batches(docs: datasets.Dataset) -> Iterator[list[str]]:
     for batch in docs.select_columns(["text"]).iter(batch_size=BATCH):
         yield batch["text"]
+
+
+def _tokenizer_sample(docs: datasets.Dataset, limit: int | None, seed: int) -> datasets.Dataset:
+    """At most `limit` documents, drawn at random from every source in proportion to its document count.
+
+    Taking the first documents instead would train the tokenizer on the first source only (with
+    wikibooks: Wikipedia's 6 M articles before BookCorpus). Each source's quota is its exact share, rounded
+    by largest remainder; a uniform draw of documents also gives each source its share of the characters,
+    in expectation.
+    """
+    if limit is None or limit >= len(docs):
+        return docs
+    sources = pa.chunked_array(list(_arrow_column(docs, "source"))).combine_chunks().dictionary_encode()
+    codes = sources.indices.to_numpy()
+    counts = np.bincount(codes, minlength=len(sources.dictionary))
+    shares = limit * counts / counts.sum()
+    quotas = np.floor(shares).astype(np.int64)
+    by_remainder = np.argsort(-(shares - quotas), kind="stable")
+    quotas[by_remainder[: limit - quotas.sum()]] += 1
+    rng = np.random.default_rng([seed, 1])  # a stream apart from the validation split's
+    picked = [rng.choice(np.flatnonzero(codes == k), size=q, replace=False) for k, q in enumerate(quotas)]
+    return docs.select(np.sort(np.concatenate(picked)))
+
+
+def _count_by_source(docs: datasets.Dataset) -> dict[str, int]:
+    counts = pa.chunked_array(list(_arrow_column(docs, "source"))).value_counts()
+    return {str(v["values"]): int(v["counts"]) for v in counts.to_pylist()}
 
 
 def _tokenize(
@@ -300,11 +368,28 @@ def _curriculum_order(rows: datasets.Dataset, vocab_size: int) -> np.ndarray:
     return np.argsort(scores, kind="stable")
 
 
+def _keep_order(rows: datasets.Dataset, seed: int, vocab_size: int) -> datasets.Dataset:
+    return rows
+
+
+def _shuffle(rows: datasets.Dataset, seed: int, vocab_size: int) -> datasets.Dataset:
+    return rows.shuffle(seed=seed)
+
+
+def _curriculum(rows: datasets.Dataset, seed: int, vocab_size: int) -> datasets.Dataset:
+    return rows.select(_curriculum_order(rows, vocab_size))
+
+
+# data.ordering -> (rows, seed, vocab size) -> the rows reordered
+ORDERINGS: dict[str, Callable[[datasets.Dataset, int, int], datasets.Dataset]] = {
+    "none": _keep_order,
+    "random": _shuffle,
+    "curriculum": _curriculum,
+}
+
+
 def _order(rows: datasets.Dataset, cfg: DataConfig, vocab_size: int) -> datasets.Dataset:
-    if cfg.ordering == "random":
-        rows = rows.shuffle(seed=cfg.seed)
-    elif cfg.ordering == "curriculum":
-        rows = rows.select(_curriculum_order(rows, vocab_size))
+    rows = ORDERINGS[cfg.ordering](rows, cfg.seed, vocab_size)
     if cfg.max_rows is not None and len(rows) > cfg.max_rows:
         rows = rows.select(range(cfg.max_rows))
     return rows
@@ -328,16 +413,22 @@ def _build(cfg: DataConfig, path: Path, hf_cache: Path, num_proc: int) -> None:
         with steps.step("normalize + length filter", megabytes):
             docs = _clean(raw, cfg, _procs_for(megabytes, num_proc), scratch)
         stats["documents_after_length_filter"] = len(docs)
+        if len(docs) == 0:
+            raise _nothing_left(raw, cfg)
         if cfg.filter.deduplicate:
             with steps.step("deduplicate"):
                 docs = _deduplicate(docs)
         stats["documents_after_dedup"] = len(docs)
         train_docs, val_docs = _split_validation(docs, cfg)
-        limit = cfg.tokenizer.max_train_entries
-        tok_docs = (
-            train_docs if limit is None or limit >= len(train_docs) else train_docs.select(range(limit))
-        )
+        tok_docs = _tokenizer_sample(train_docs, cfg.tokenizer.max_train_entries, cfg.seed)
+        stats["tokenizer_train_documents"] = _count_by_source(tok_docs)
         stats["tokenizer_train_megabytes"] = round(_text_megabytes(tok_docs), 3)
+        log.info(
+            "training the tokenizer on %d of %d training documents: %s",
+            len(tok_docs),
+            len(train_docs),
+            ", ".join(f"{n} from {name}" for name, n in stats["tokenizer_train_documents"].items()),
+        )
         with steps.step("train tokenizer", stats["tokenizer_train_megabytes"]):
             tokenizer = train_tokenizer(_text_batches(tok_docs), cfg.tokenizer, cfg.normalizer, len(tok_docs))
         id_type = "uint16" if tokenizer.get_vocab_size() <= 2**16 else "int32"

@@ -7,17 +7,23 @@ files make a new cache even when the config is the same.
 
 from __future__ import annotations
 
+import codecs
 import glob
+import gzip
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import datasets
 
 from cramming.data import embedded
-from cramming.data.config import DataConfig, SourceConfig
-from cramming.errors import DataSourceError
+from cramming.errors import DataSourceError, check_choice
+
+if TYPE_CHECKING:  # config.py takes its choice lists from SOURCE_KINDS and TXT_UNITS
+    from cramming.data.config import DataConfig, SourceConfig
 
 log = logging.getLogger("cramming")
 
@@ -31,6 +37,9 @@ LOCAL_FORMATS = {
     ".json": "json",
     ".parquet": "parquet",
 }
+
+# .txt files: what one entry is (the `sample_by` of the `datasets` text builder)
+TXT_UNITS = ("line", "paragraph", "document")
 
 OFFLINE_HINT = (
     "Without network, train on the embedded corpus (`python pretrain.py data=embedded`) or on local files "
@@ -61,14 +70,17 @@ def resolve_local_files(pattern: str) -> list[str]:
     return files
 
 
-def source_fingerprint(cfg: SourceConfig) -> str:
-    """What the source's content depends on beyond its config (no network needed)."""
-    if cfg.kind == "embedded":
-        return embedded.fingerprint()
-    if cfg.kind == "hub":
-        return f"hub:{cfg.path}:{cfg.subset}:{cfg.split}:{cfg.revision}"
+def _local_fingerprint(cfg: SourceConfig) -> str:
     stats = [(p, os.stat(p).st_size, os.stat(p).st_mtime_ns) for p in resolve_local_files(cfg.files)]
     return repr(stats)
+
+
+def _hub_fingerprint(cfg: SourceConfig) -> str:
+    return f"hub:{cfg.path}:{cfg.subset}:{cfg.split}:{cfg.revision}"
+
+
+def _embedded_fingerprint(cfg: SourceConfig) -> str:
+    return embedded.fingerprint()
 
 
 def _select_text(ds: datasets.Dataset, cfg: SourceConfig, where: str) -> datasets.Dataset:
@@ -89,8 +101,60 @@ def _cap(ds: datasets.Dataset, max_entries: int | None) -> datasets.Dataset:
     return ds
 
 
+def _without_empty_files(files: list[str]) -> list[str]:
+    """Leave out files of 0 bytes (`datasets` fails on them with no file name); all of them empty is an error."""
+    empty = [f for f in files if os.path.getsize(f) == 0]
+    if not empty:
+        return files
+    shown = ", ".join(empty[:3]) + (f" and {len(empty) - 3} more" if len(empty) > 3 else "")
+    if len(empty) == len(files):
+        raise DataSourceError(
+            f"every file of the source is empty (0 bytes): {shown}. "
+            "Point data.sources.<name>.files at files that hold text."
+        )
+    log.warning("leaving out %d empty file(s) (0 bytes): %s", len(empty), shown)
+    return [f for f in files if f not in empty]
+
+
+def _first_undecodable(path: str) -> tuple[int, int] | None:
+    """(offset, value) of the first byte that is not valid UTF-8 in a (gzipped) text file, or None."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    offset = 0  # bytes read so far
+    with (gzip.open if path.endswith(".gz") else open)(path, "rb") as f:
+        while True:
+            chunk = f.read(1 << 20)
+            held = len(decoder.buffer)  # the start of a sequence held back from the previous chunk
+            try:
+                decoder.decode(chunk, final=not chunk)
+            except UnicodeDecodeError as err:  # err.object is the held bytes + this chunk
+                return offset - held + err.start, err.object[err.start]
+            if not chunk:
+                return None
+            offset += len(chunk)
+
+
+def _read_error(builder: str, group: list[str], err: Exception) -> DataSourceError:
+    """Name the file and the problem behind a `datasets` failure ("An error occurred while generating...")."""
+    if builder in ("text", "json"):
+        for path in group:
+            bad = _first_undecodable(path)
+            if bad is not None:
+                offset, byte = bad
+                return DataSourceError(
+                    f"{path} is not UTF-8 text: byte 0x{byte:02x} at offset {offset} cannot be decoded "
+                    "(a binary file, or another encoding). Remove it from the source or convert it to UTF-8."
+                )
+    cause = err
+    while cause.__cause__ is not None or cause.__context__ is not None:
+        cause = cause.__cause__ or cause.__context__
+    detail = f"{err}" if cause is err else f"{err} ({type(cause).__name__}: {cause})"
+    return DataSourceError(
+        f"could not read {len(group)} {builder} file(s) starting with {group[0]}: {detail}"
+    )
+
+
 def _load_local(cfg: SourceConfig, hf_cache: Path) -> datasets.Dataset:
-    files = resolve_local_files(cfg.files)
+    files = _without_empty_files(resolve_local_files(cfg.files))
     by_builder: dict[str, list[str]] = {}
     for f in files:
         by_builder.setdefault(_format_of(f), []).append(f)
@@ -101,10 +165,8 @@ def _load_local(cfg: SourceConfig, hf_cache: Path) -> datasets.Dataset:
             ds = datasets.load_dataset(
                 builder, data_files=group, split="train", cache_dir=str(hf_cache), **kwargs
             )
-        except Exception as err:  # a malformed file: say which ones were being read
-            raise DataSourceError(
-                f"could not read {len(group)} {builder} file(s) starting with {group[0]}: {err}"
-            ) from err
+        except Exception as err:  # a malformed file: find it and say what is wrong with it
+            raise _read_error(builder, group, err) from err
         parts.append(_select_text(ds, cfg, f"{builder} file {group[0]}"))
         if cfg.max_entries is not None and sum(len(p) for p in parts) >= cfg.max_entries:
             break
@@ -156,7 +218,7 @@ def _load_hub(cfg: SourceConfig, hf_cache: Path) -> datasets.Dataset:
         raise DataSourceError(f"streaming {where} failed: {cause}. {OFFLINE_HINT}") from err
 
 
-def _load_embedded(cfg: SourceConfig) -> datasets.Dataset:
+def _load_embedded(cfg: SourceConfig, hf_cache: Path) -> datasets.Dataset:
     texts = [doc["text"] for doc in embedded.iter_stdlib_docs()]
     return _cap(datasets.Dataset.from_dict({"text": texts}, features=TEXT_FEATURES), cfg.max_entries)
 
@@ -171,23 +233,46 @@ def _join_entries(ds: datasets.Dataset, n: int) -> datasets.Dataset:
     return ds.map(join, batched=True, batch_size=n * 1000, desc=f"joining every {n} entries")
 
 
+@dataclass(frozen=True)
+class SourceKind:
+    """How one kind of source is read, and what its content depends on beyond its config."""
+
+    load: Callable[[SourceConfig, Path], datasets.Dataset]
+    # no network needed: file sizes and times, a hub revision, the Python version
+    fingerprint: Callable[[SourceConfig], str]
+
+
+# data.sources.<name>.kind -> how to read it
+SOURCE_KINDS: dict[str, SourceKind] = {
+    "hub": SourceKind(load=_load_hub, fingerprint=_hub_fingerprint),
+    "local": SourceKind(load=_load_local, fingerprint=_local_fingerprint),
+    "embedded": SourceKind(load=_load_embedded, fingerprint=_embedded_fingerprint),
+}
+
+
+def _kind_of(cfg: SourceConfig) -> SourceKind:
+    check_choice("data.sources.<name>.kind", cfg.kind, SOURCE_KINDS)
+    return SOURCE_KINDS[cfg.kind]
+
+
+def source_fingerprint(cfg: SourceConfig) -> str:
+    """What the source's content depends on beyond its config (no network needed)."""
+    return _kind_of(cfg).fingerprint(cfg)
+
+
 def load_source(cfg: SourceConfig, hf_cache: Path) -> datasets.Dataset:
-    if cfg.kind == "hub":
-        ds = _load_hub(cfg, hf_cache)
-    elif cfg.kind == "local":
-        ds = _load_local(cfg, hf_cache)
-    else:
-        ds = _load_embedded(cfg)
+    ds = _kind_of(cfg).load(cfg, hf_cache)
     if cfg.join_entries > 1:
         ds = _join_entries(ds, cfg.join_entries)
     return ds
 
 
 def load_raw_corpus(cfg: DataConfig, hf_cache: Path) -> datasets.Dataset:
-    """All sources of the data config, concatenated in the order they are listed."""
+    """All sources of the data config, concatenated in the order they are listed; column `source` names
+    each entry's source."""
     parts = []
     for name, source in cfg.sources.items():
         ds = load_source(source, hf_cache)
         log.info("source %s (%s): %d entries", name, source.kind, len(ds))
-        parts.append(ds)
+        parts.append(ds.add_column("source", [name] * len(ds)))
     return datasets.concatenate_datasets(parts)

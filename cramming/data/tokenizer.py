@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
-from cramming.data.config import NormalizerConfig, TokenizerConfig
+if TYPE_CHECKING:  # config.py takes its choice list from TOKENIZER_KINDS
+    from cramming.data.config import NormalizerConfig, TokenizerConfig
 
 # Trainers place special tokens first, in this order, so their ids are fixed for every tokenizer kind.
 SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
@@ -26,8 +28,17 @@ class SpecialTokens:
         return (self.pad, self.unk, self.cls, self.sep, self.mask)
 
 
+UNK = SPECIAL_TOKENS[SpecialTokens().unk]
+
+# Every run of characters outside 7-bit ASCII, deleted by `ascii_only` (cramming's `force_english_keyboard`).
+NON_ASCII = r"[^\x00-\x7F]+"
+
+
 def build_normalizer(cfg: NormalizerConfig) -> normalizers.Normalizer:
-    """The corpus normalization, also saved into the tokenizer so fine-tuning text is treated alike."""
+    """The corpus normalization, also saved into the tokenizer so fine-tuning text is treated alike.
+
+    Idempotent, so text normalized once by the pipeline can be tokenized without a second pass.
+    """
     steps: list[normalizers.Normalizer] = []
     if cfg.nfkc:
         steps.append(normalizers.NFKC())
@@ -36,42 +47,64 @@ def build_normalizer(cfg: NormalizerConfig) -> normalizers.Normalizer:
     if cfg.strip_accents:
         # decompose, drop the combining marks, recompose what is left
         steps += [normalizers.NFD(), normalizers.StripAccents(), normalizers.NFC()]
+    if cfg.ascii_only:
+        # last, so "café" has become "cafe" (with strip_accents) before anything is deleted
+        steps.append(normalizers.Replace(Regex(NON_ASCII), ""))
     return normalizers.Sequence(steps)
 
 
-def _model_and_trainer(cfg: TokenizerConfig) -> tuple[Tokenizer, trainers.Trainer]:
-    special = list(SPECIAL_TOKENS)
-    unk = SPECIAL_TOKENS[SpecialTokens().unk]
-    if cfg.kind == "wordpiece":
-        tok = Tokenizer(models.WordPiece(unk_token=unk, max_input_chars_per_word=100))
-        tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
-        tok.decoder = decoders.WordPiece(prefix="##")
-        trainer = trainers.WordPieceTrainer(
-            vocab_size=cfg.vocab_size,
-            min_frequency=cfg.min_frequency,
-            special_tokens=special,
-            show_progress=True,
-        )
-    elif cfg.kind == "bpe":
-        # byte-level BPE: every string is representable, so [UNK] never occurs
-        tok = Tokenizer(models.BPE())
-        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True)
-        tok.decoder = decoders.ByteLevel()
-        trainer = trainers.BpeTrainer(
-            vocab_size=cfg.vocab_size,
-            min_frequency=cfg.min_frequency,
-            special_tokens=special,
-            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-            show_progress=True,
-        )
-    else:  # unigram
-        tok = Tokenizer(models.Unigram())
-        tok.pre_tokenizer = pre_tokenizers.Metaspace()
-        tok.decoder = decoders.Metaspace()
-        trainer = trainers.UnigramTrainer(
-            vocab_size=cfg.vocab_size, special_tokens=special, unk_token=unk, show_progress=True
-        )
+def _alphabet_limit(cfg: TokenizerConfig) -> dict[str, int]:
+    # the trainers take no None: leaving the argument out is "no limit"
+    return {} if cfg.limit_alphabet is None else {"limit_alphabet": cfg.limit_alphabet}
+
+
+def _wordpiece(cfg: TokenizerConfig) -> tuple[Tokenizer, trainers.Trainer]:
+    tok = Tokenizer(models.WordPiece(unk_token=UNK, max_input_chars_per_word=100))
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.decoder = decoders.WordPiece(prefix="##")
+    trainer = trainers.WordPieceTrainer(
+        vocab_size=cfg.vocab_size,
+        min_frequency=cfg.min_frequency,
+        **_alphabet_limit(cfg),
+        special_tokens=list(SPECIAL_TOKENS),
+        show_progress=True,
+    )
     return tok, trainer
+
+
+def _byte_level_bpe(cfg: TokenizerConfig) -> tuple[Tokenizer, trainers.Trainer]:
+    # byte-level: every string is representable, so [UNK] never occurs
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=cfg.vocab_size,
+        min_frequency=cfg.min_frequency,
+        **_alphabet_limit(cfg),
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=True,
+    )
+    return tok, trainer
+
+
+def _unigram(cfg: TokenizerConfig) -> tuple[Tokenizer, trainers.Trainer]:
+    # the Unigram trainer has neither a minimum frequency nor an alphabet limit
+    tok = Tokenizer(models.Unigram())
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Metaspace()
+    trainer = trainers.UnigramTrainer(
+        vocab_size=cfg.vocab_size, special_tokens=list(SPECIAL_TOKENS), unk_token=UNK, show_progress=True
+    )
+    return tok, trainer
+
+
+# data.tokenizer.kind -> an untrained tokenizer (model, pre-tokenizer, decoder) and its trainer
+TOKENIZER_KINDS: dict[str, Callable[[TokenizerConfig], tuple[Tokenizer, trainers.Trainer]]] = {
+    "wordpiece": _wordpiece,
+    "bpe": _byte_level_bpe,
+    "unigram": _unigram,
+}
 
 
 def train_tokenizer(
@@ -85,7 +118,7 @@ def train_tokenizer(
     Inputs are encoded as `[CLS] a [SEP]` or `[CLS] a [SEP] b [SEP]` (token types 0 and 1), the BERT layout
     fine-tuning expects; pretraining rows are encoded without special tokens and joined with [SEP].
     """
-    tok, trainer = _model_and_trainer(cfg)
+    tok, trainer = TOKENIZER_KINDS[cfg.kind](cfg)
     tok.train_from_iterator(texts, trainer=trainer, length=length)
     tok.normalizer = build_normalizer(normalizer_cfg)
     special = SpecialTokens()
