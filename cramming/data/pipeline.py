@@ -400,64 +400,21 @@ def _procs_for(megabytes: float, num_proc: int) -> int:
 
 
 def _build(cfg: DataConfig, path: Path, hf_cache: Path, num_proc: int) -> None:
+    """Read, clean, train the tokenizer, tokenize and pack into a private folder, then publish it as `path`."""
     build_dir = path.with_name(f".{path.name}.building-{os.getpid()}")
     scratch = build_dir / "scratch"
     scratch.mkdir(parents=True, exist_ok=True)
     steps, stats = _Steps(), {"seq_length": cfg.seq_length, "cache_key": path.name}
     start = time.perf_counter()
     try:
-        with steps.step("read sources"):
-            raw = load_raw_corpus(cfg, hf_cache)
-        megabytes = _text_megabytes(raw)
-        stats.update(raw_documents=len(raw), raw_megabytes=round(megabytes, 3))
-        with steps.step("normalize + length filter", megabytes):
-            docs = _clean(raw, cfg, _procs_for(megabytes, num_proc), scratch)
-        stats["documents_after_length_filter"] = len(docs)
-        if len(docs) == 0:
-            raise _nothing_left(raw, cfg)
-        if cfg.filter.deduplicate:
-            with steps.step("deduplicate"):
-                docs = _deduplicate(docs)
-        stats["documents_after_dedup"] = len(docs)
-        train_docs, val_docs = _split_validation(docs, cfg)
-        tok_docs = _tokenizer_sample(train_docs, cfg.tokenizer.max_train_entries, cfg.seed)
-        stats["tokenizer_train_documents"] = _count_by_source(tok_docs)
-        stats["tokenizer_train_megabytes"] = round(_text_megabytes(tok_docs), 3)
-        log.info(
-            "training the tokenizer on %d of %d training documents: %s",
-            len(tok_docs),
-            len(train_docs),
-            ", ".join(f"{n} from {name}" for name, n in stats["tokenizer_train_documents"].items()),
-        )
-        with steps.step("train tokenizer", stats["tokenizer_train_megabytes"]):
-            tokenizer = train_tokenizer(_text_batches(tok_docs), cfg.tokenizer, cfg.normalizer, len(tok_docs))
-        id_type = "uint16" if tokenizer.get_vocab_size() <= 2**16 else "int32"
-        sep = SpecialTokens().sep
-        splits, cutoff = {}, None
-        for split, split_docs in (("train", train_docs), ("validation", val_docs)):
-            if split_docs is None:
-                continue
-            with steps.step(f"tokenize {split}", _text_megabytes(split_docs)):
-                tokenized = _tokenize(split_docs, tokenizer, id_type, scratch / f"tok-{split}.arrow")
-            factor = cfg.filter.max_tokens_per_char_vs_median
-            if factor is not None and split == "train":  # validation uses the training cut-off
-                median = float(np.median(_numpy_column(tokenized, "tokens_per_char")))
-                cutoff = factor * median
-                stats.update(
-                    median_tokens_per_char=round(median, 4), trash_cutoff_tokens_per_char=round(cutoff, 4)
+        train_docs, val_docs, megabytes = _read_and_clean(cfg, hf_cache, num_proc, scratch, steps, stats)
+        tokenizer = _fit_tokenizer(cfg, train_docs, steps, stats)
+        splits, cutoff = {}, None  # validation uses the training split's trash cut-off
+        for split, docs in (("train", train_docs), ("validation", val_docs)):
+            if docs is not None:
+                splits[split], cutoff = _tokenize_and_pack(
+                    split, docs, cfg, tokenizer, cutoff, scratch, steps, stats
                 )
-            tokenized = _drop_trash(tokenized, cutoff)
-            with steps.step(f"pack {split}"):
-                rows = _pack(tokenized, cfg.seq_length, sep, id_type, scratch / f"rows-{split}.arrow")
-            stats[f"{split}_documents"] = len(tokenized)
-            stats[f"{split}_dropped_by_token_ratio"] = len(split_docs) - len(tokenized)
-            # every document is followed by one [SEP]
-            stats[f"{split}_tokens"] = _token_count(tokenized) + len(tokenized)
-            if split == "train":
-                with steps.step("order + cap rows"):
-                    rows = _order(rows, cfg, tokenizer.get_vocab_size())
-            splits[split] = rows
-            stats[f"{split}_rows"] = len(rows)
         if stats["train_rows"] == 0:
             raise DataSourceError(
                 f"only {stats['train_tokens']} tokens are left after filtering, fewer than one row of "
@@ -484,6 +441,77 @@ def _build(cfg: DataConfig, path: Path, hf_cache: Path, num_proc: int) -> None:
         stats["seconds"]["total"],
         stats["megabytes_per_second"],
     )
+
+
+def _read_and_clean(
+    cfg: DataConfig, hf_cache: Path, num_proc: int, scratch: Path, steps: _Steps, stats: dict
+) -> tuple[datasets.Dataset, datasets.Dataset | None, float]:
+    """(training documents, validation documents or None, megabytes read): read, normalize, filter, dedup."""
+    with steps.step("read sources"):
+        raw = load_raw_corpus(cfg, hf_cache)
+    megabytes = _text_megabytes(raw)
+    stats.update(raw_documents=len(raw), raw_megabytes=round(megabytes, 3))
+    with steps.step("normalize + length filter", megabytes):
+        docs = _clean(raw, cfg, _procs_for(megabytes, num_proc), scratch)
+    stats["documents_after_length_filter"] = len(docs)
+    if len(docs) == 0:
+        raise _nothing_left(raw, cfg)
+    if cfg.filter.deduplicate:
+        with steps.step("deduplicate"):
+            docs = _deduplicate(docs)
+    stats["documents_after_dedup"] = len(docs)
+    train_docs, val_docs = _split_validation(docs, cfg)
+    return train_docs, val_docs, megabytes
+
+
+def _fit_tokenizer(cfg: DataConfig, train_docs: datasets.Dataset, steps: _Steps, stats: dict) -> Tokenizer:
+    """The tokenizer, trained on a seeded sample of the training documents drawn from every source."""
+    tok_docs = _tokenizer_sample(train_docs, cfg.tokenizer.max_train_entries, cfg.seed)
+    stats["tokenizer_train_documents"] = _count_by_source(tok_docs)
+    stats["tokenizer_train_megabytes"] = round(_text_megabytes(tok_docs), 3)
+    log.info(
+        "training the tokenizer on %d of %d training documents: %s",
+        len(tok_docs),
+        len(train_docs),
+        ", ".join(f"{n} from {name}" for name, n in stats["tokenizer_train_documents"].items()),
+    )
+    with steps.step("train tokenizer", stats["tokenizer_train_megabytes"]):
+        return train_tokenizer(_text_batches(tok_docs), cfg.tokenizer, cfg.normalizer, len(tok_docs))
+
+
+def _tokenize_and_pack(
+    split: str,
+    docs: datasets.Dataset,
+    cfg: DataConfig,
+    tokenizer: Tokenizer,
+    cutoff: float | None,
+    scratch: Path,
+    steps: _Steps,
+    stats: dict,
+) -> tuple[datasets.Dataset, float | None]:
+    """(rows of one split, the trash cut-off): tokenize, drop documents above the cut-off (set on the
+    training split, passed in for validation), pack; the training rows are also ordered and capped."""
+    id_type = "uint16" if tokenizer.get_vocab_size() <= 2**16 else "int32"
+    with steps.step(f"tokenize {split}", _text_megabytes(docs)):
+        tokenized = _tokenize(docs, tokenizer, id_type, scratch / f"tok-{split}.arrow")
+    factor = cfg.filter.max_tokens_per_char_vs_median
+    if factor is not None and split == "train":
+        median = float(np.median(_numpy_column(tokenized, "tokens_per_char")))
+        cutoff = factor * median
+        stats.update(median_tokens_per_char=round(median, 4), trash_cutoff_tokens_per_char=round(cutoff, 4))
+    tokenized = _drop_trash(tokenized, cutoff)
+    with steps.step(f"pack {split}"):
+        rows = _pack(tokenized, cfg.seq_length, SpecialTokens().sep, id_type, scratch / f"rows-{split}.arrow")
+    stats[f"{split}_documents"] = len(tokenized)
+    stats[f"{split}_dropped_by_token_ratio"] = len(docs) - len(tokenized)
+    stats[f"{split}_tokens"] = _token_count(tokenized) + len(
+        tokenized
+    )  # every document is followed by one [SEP]
+    if split == "train":
+        with steps.step("order + cap rows"):
+            rows = _order(rows, cfg, tokenizer.get_vocab_size())
+    stats[f"{split}_rows"] = len(rows)
+    return rows, cutoff
 
 
 def _publish(build_dir: Path, path: Path) -> None:

@@ -50,7 +50,9 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     """Split parameters into decayed and not decayed: normalization layers' parameters and biases are not
     decayed; everything else is, the scaled-sinusoid position scale included (cramming's grouping: it is
     not a norm or a bias, though a scalar)."""
-    norms = {id(p) for m in model.modules() if isinstance(m, NORM_LAYERS) for p in m.parameters(recurse=False)}
+    norms = {
+        id(p) for m in model.modules() if isinstance(m, NORM_LAYERS) for p in m.parameters(recurse=False)
+    }
     decay, no_decay = [], []
     for name, param in model.named_parameters():
         if not param.requires_grad:
