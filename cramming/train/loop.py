@@ -12,7 +12,8 @@ One update is cramming.train.step.TrainStep; masks are keyed by stream row (cram
 the micro-batch size nor a resume changes what is computed.
 
 The host measures elapsed time while the GPU may still be working through queued micro-batches; the one
-synchronization per update (the non-finite loss check) bounds that lag to a single update.
+synchronization per update (the non-finite check of loss and gradient norm) bounds that lag to a single
+update.
 """
 
 from __future__ import annotations
