@@ -22,9 +22,17 @@ from cramming.optim import (
     optimizer_state_report,
     param_groups,
 )
-from cramming.optim.quant import QuantMap, dequantize_blockwise
+from cramming.optim.quant import dequantize_blockwise, first_moment_map, second_moment_map
 
-BASE_NAMES = ["adamw", "adamw_8bit", "galore_adamw", "galore_adamw_8bit", "galore_adafactor"]
+BASE_NAMES = [
+    "adamw",
+    "adamw_8bit",
+    "adamw_4bit",
+    "galore_adamw",
+    "galore_adamw_8bit",
+    "galore_adamw_4bit",
+    "galore_adafactor",
+]
 LEAN_NAMES = [n for n in OPTIMIZERS if n != "adamw"]
 
 
@@ -201,8 +209,10 @@ def test_8bit_tracks_fp32_adamw_over_250_steps():
     rel = ((smooth8 - smooth32).abs() / smooth32).max().item()
     assert rel < 0.1, f"8-bit and fp32 loss curves differ by {rel:.1%}"
     st = opt8.state[w]
-    m = dequantize_blockwise(st["m_codes"], st["m_absmax"], QuantMap.dynamic(True)).view_as(w)
-    v = dequantize_blockwise(st["v_codes"], st["v_absmax"], QuantMap.dynamic(False)).view_as(w)
+    m = dequantize_blockwise(st["m_codes"], st["m_absmax"], first_moment_map(8)).view_as(w)
+    v = dequantize_blockwise(
+        st["v_codes"], st["v_absmax"], second_moment_map(opt8.second_moment_map)
+    ).view_as(w)
     # per-step quantization error <= half a code gap (<= 0.7% of the block absmax), decaying with beta
     for name, q, ref in (("m", m, shadow_m), ("v", v, shadow_v)):
         err = ((q - ref).norm() / ref.norm()).item()
