@@ -24,7 +24,7 @@ import torch
 from cramming.kernels import triton_status
 from cramming.optim.base import LeanOptimizer, StateSpec
 from cramming.optim.lowbit import (
-    RANK1_LINEAR4,
+    RANK1_DYNAMIC4,
     AdamScalars,
     Maps4bit,
     QuantizedMoments,
@@ -41,7 +41,7 @@ log = logging.getLogger(__name__)
 
 KERNELS = ("auto", "torch", "triton")
 MIN_8BIT_SIZE = 4096  # smaller tensors keep 32-bit moments (their state is negligible, their steps noisy)
-DEFAULT_SECOND_MOMENT_MAP = "nonzero"
+DEFAULT_SECOND_MOMENT_MAP = "sqrt"  # measured best on wide-ranged blocks: results/optim_quality.md
 
 
 class AdamW(LeanOptimizer):
@@ -107,7 +107,7 @@ class AdamW(LeanOptimizer):
 
     def _state_tags(self, shape: tuple[int, ...], group: dict) -> dict:
         bits = self._bits(math.prod(shape), group)
-        return {"v_map": {8: self.second_moment_map, 4: RANK1_LINEAR4}[bits]} if bits < 32 else {}
+        return {"v_map": {8: self.second_moment_map, 4: RANK1_DYNAMIC4}[bits]} if bits < 32 else {}
 
     # --- quantized ------------------------------------------------------------------------------------
 
@@ -124,19 +124,23 @@ class AdamW(LeanOptimizer):
     def _use_triton(self, param: torch.Tensor) -> bool:
         if self.kernel != "auto":
             return self.kernel == "triton"
-        if not param.is_cuda or not param.is_contiguous():
+        return param.is_contiguous() and self._can_launch(param.device.type)
+
+    def _can_launch(self, device_type: str) -> bool:
+        """kernel="auto": whether the fused update runs on `device_type` (CUDA only: the interpreter is for
+        tests, never chosen by itself); asked once per device type, a fallback is logged once."""
+        if device_type != "cuda":
             return False
-        device = param.device.type
-        if device not in self._triton_ok:
-            ok, why = triton_status(device)
-            self._triton_ok[device] = ok
+        if device_type not in self._triton_ok:
+            ok, why = triton_status(device_type)
+            self._triton_ok[device_type] = ok
             if not ok:
                 log.warning("8-bit AdamW: the fused Triton update cannot launch (%s); using PyTorch", why)
-        return self._triton_ok[device]
+        return self._triton_ok[device_type]
 
     def _update_quantized(self, param: torch.Tensor, grad: torch.Tensor, state: dict, s: AdamScalars) -> None:
         m_map, v_map, maps4 = self._quant_maps(param.device)
-        if state["v_map"] == RANK1_LINEAR4:
+        if state["v_map"] == RANK1_DYNAMIC4:
             adamw4bit_update_torch(param, grad, state, maps4, s)
             return
         sqrt_v = SECOND_MOMENT_MAPS[self.second_moment_map].sqrt
@@ -194,7 +198,11 @@ class AdamW(LeanOptimizer):
         """As LeanOptimizer's, then bring each quantized state to this optimizer's format: an 8-bit second
         moment saved with another map (or before maps were recorded: `dynamic`) is re-encoded; a 4-bit
         state for an 8-bit optimizer, or the reverse, is refused."""
+        # the precision is this optimizer's (the saved groups would bring theirs back with them)
+        precision = [{k: g[k] for k in ("optim_bits", "min_8bit_size")} for g in self.param_groups]
         super().load_state_dict(state_dict)
+        for group, own in zip(self.param_groups, precision, strict=True):
+            group.update(own)
         for group in self.param_groups:
             for param in group["params"]:
                 state = self.state.get(param)
@@ -202,9 +210,9 @@ class AdamW(LeanOptimizer):
                     continue
                 saved = saved_format(state)
                 wanted = self._state_tags(self.moment_shape(param, group), group).get("v_map")
-                saved_bits = 4 if saved == RANK1_LINEAR4 else 8
-                if wanted is None or (wanted == RANK1_LINEAR4) != (saved_bits == 4):
-                    wanted_bits = 32 if wanted is None else 4 if wanted == RANK1_LINEAR4 else 8
+                saved_bits = 4 if saved == RANK1_DYNAMIC4 else 8
+                if wanted is None or (wanted == RANK1_DYNAMIC4) != (saved_bits == 4):
+                    wanted_bits = 32 if wanted is None else 4 if wanted == RANK1_DYNAMIC4 else 8
                     raise ValueError(
                         f"optimizer state of a {tuple(param.shape)} parameter is {saved_bits}-bit, this optimizer "
                         f"keeps it in {wanted_bits} bits: resume with the optimizer that saved it (e.g. "

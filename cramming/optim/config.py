@@ -49,11 +49,12 @@ class OptimConfig:
     min_8bit_size: int = 4096
     # keep the embeddings' moments in 32 bits (bitsandbytes' advice for stability; costs 6 B/param there)
     embedding_32bit: bool = False
-    # how 8-bit second moments are stored: nonzero (v on a map whose smallest code is positive), sqrt
-    # (sqrt(v) on that map), or dynamic (bitsandbytes' map: a v below 1.6e-7 of its block's absmax becomes
-    # 0, and that element's next step is up to 31x Adam's; see cramming/optim/quant.py). 4-bit state has
-    # its own zero-free format; the bitsandbytes backend always uses its own map (dynamic)
-    second_moment_map: str = "nonzero"
+    # how 8-bit second moments are stored: sqrt (sqrt(v) on a dynamic map whose smallest code is positive;
+    # closest to fp32 AdamW in results/optim_quality.md), nonzero (v on that map), or dynamic
+    # (bitsandbytes' map: a v below 1.6e-7 of its block's absmax becomes 0, and that element's next step is
+    # up to 31x Adam's; see cramming/optim/quant.py). 4-bit state has its own zero-free format; the
+    # bitsandbytes backend always uses its own map (dynamic)
+    second_moment_map: str = "sqrt"
     # cramming (ours, every name) or bitsandbytes (bnb.optim.AdamW8bit, for adamw_8bit; needs bitsandbytes)
     backend: str = "cramming"
 
