@@ -216,9 +216,11 @@ def test_8bit_tracks_fp32_adamw_over_250_steps():
     if st["v_map"] == "sqrt":  # the codes are of sqrt(v)
         v = v * v
     # per-step quantization error <= half a code gap (<= 0.7% of the block absmax), decaying with beta
-    for name, q, ref in (("m", m, shadow_m), ("v", v, shadow_v)):
+    # (sqrt(v) stored: a relative error e of sqrt(v) is 2e of v)
+    v_bound = 0.06 if st["v_map"] == "sqrt" else 0.03
+    for name, q, ref, bound in (("m", m, shadow_m, 0.03), ("v", v, shadow_v, v_bound)):
         err = ((q - ref).norm() / ref.norm()).item()
-        assert err < 0.03, f"8-bit {name} is {err:.1%} (relative norm) away from the fp32 recursion"
+        assert err < bound, f"8-bit {name} is {err:.1%} (relative norm) away from the fp32 recursion"
 
 
 def test_8bit_parity_with_bitsandbytes():
