@@ -118,3 +118,27 @@ def test_first_update_from_zero_state_matches_adam_closely():
     torch.testing.assert_close(p, -0.1 * torch.sign(g), rtol=1e-5, atol=1e-6)
     m = dequantize_blockwise(moments.m_codes, moments.m_absmax, _dynamic(True))
     torch.testing.assert_close(m, 0.1 * g, rtol=0.02, atol=0.1 * g.abs().max().item() * 0.01)
+
+
+@pytest.mark.parametrize("sqrt_v", [False, True])
+def test_chunked_step_equals_one_piece(monkeypatch, sqrt_v):
+    """The PyTorch 8-bit step works in pieces of whole blocks; the pieces cannot change a bit of the result
+    (every block's arithmetic is its own), including a ragged last piece and a non-contiguous parameter."""
+    import cramming.optim.lowbit as lowbit
+
+    n = 5 * QBLOCK + 37
+    m_map, v_map = _dynamic(True), QuantMap.build(dynamic_map(False, zero=False))
+    results = []
+    for chunk in (2 * QBLOCK, 1 << 20):
+        monkeypatch.setattr(lowbit, "CHUNK", chunk)
+        torch.manual_seed(0)
+        p = torch.randn(n, 2).t()  # (2, n), non-contiguous
+        moments = QuantizedMoments.zeros(p.numel(), p.device)
+        for t in range(1, 4):
+            s = AdamScalars.at_step(t, lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)
+            adamw8bit_update_torch(p, torch.randn(2, n), moments, m_map, v_map, s, sqrt_v=sqrt_v)
+        results.append((p.clone(), moments))
+    (p1, a), (p2, b) = results
+    assert torch.equal(p1, p2)
+    for key in ("m_codes", "m_absmax", "v_codes", "v_absmax"):
+        assert torch.equal(getattr(a, key), getattr(b, key)), key

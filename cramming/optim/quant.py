@@ -171,7 +171,8 @@ def as_blocks(flat: torch.Tensor, block: int = QBLOCK) -> torch.Tensor:
 
 def quantize_blocks(blocks: torch.Tensor, qmap: QuantMap) -> tuple[torch.Tensor, torch.Tensor]:
     """(blocks, block) fp32 -> (codes uint8 (blocks, block), absmax fp32 (blocks,))."""
-    absmax = blocks.abs().amax(dim=1)  # (blocks,)
+    low, high = torch.aminmax(blocks, dim=1)  # (blocks,) each: one pass, no |x| temporary
+    absmax = torch.maximum(high, -low)
     scale = torch.where(absmax > 0, absmax, torch.ones_like(absmax))
     return qmap.nearest(blocks / scale[:, None]), absmax
 
