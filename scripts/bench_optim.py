@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import gc
 import importlib.util
+import shlex
 import statistics
 import sys
 import time
@@ -163,22 +164,24 @@ def _timed_step(opt: torch.optim.Optimizer, device: torch.device) -> float:
 
 
 def measure_time(model: nn.Module, steps: int = 10) -> dict[str, tuple[float, float]]:
+    """(median step, first step) per variant. The steps are interleaved, one of each variant per round,
+    so that a change in the machine's load (shared CPUs) hits every variant alike and the ratios between
+    them, not the absolute times, are what the table can be trusted for."""
     device = next(model.parameters()).device
-    times = {}
+    optimizers, firsts = {}, {}
     for variant in VARIANTS:
         opt = build(model, variant, kernel="auto")
         if opt is None:
             continue
         set_random_grads(model)
-        first = _timed_step(opt, device)  # allocates the state; GaLore: the SVDs
-        samples = []
-        for _ in range(steps):
+        firsts[variant.label] = _timed_step(opt, device)  # allocates the state; GaLore: the SVDs
+        optimizers[variant.label] = opt
+    samples = {label: [] for label in optimizers}
+    for _ in range(steps):
+        for label, opt in optimizers.items():
             set_random_grads(model)
-            samples.append(_timed_step(opt, device))
-        times[variant.label] = (statistics.median(samples), first)
-        del opt
-        gc.collect()
-    return times
+            samples[label].append(_timed_step(opt, device))
+    return {label: (statistics.median(samples[label]), firsts[label]) for label in optimizers}
 
 
 def table(mem: dict, times: dict, n_all: int, n_2d: int) -> str:
@@ -315,12 +318,12 @@ def lowbit_memory(layers: int) -> list[str]:
     return lines
 
 
-def quality_report(layers: int, command: str) -> str:
+def quality_report(layers: int, command: str, note: str = "") -> str:
     drift_lines = measure_drift()
     memory_lines = lowbit_memory(layers)
     return (
         "# Low-bit optimizer quality: the zero-point problem\n\n"
-        f"Command: `{command}` (1 CPU thread, torch {torch.__version__}).\n\n"
+        f"Command: `{command}` (1 CPU thread, torch {torch.__version__}).\n{note}\n\n"
         "## Wide-gradient drift\n\n"
         "One 64x512 weight, 200 steps, lr 1e-3, betas (0.9, 0.999), eps 1e-8, no weight decay; per-element "
         "gradient scales over three decades in every 256-element block, one column in ten 20x larger, around "
@@ -341,12 +344,13 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", help="where the step times are taken (cpu or cuda)")
     parser.add_argument("--out", type=Path, default=None, help="default results/optim_{memory,quality}.md")
     parser.add_argument("--quality", action="store_true", help="the wide-gradient drift and 4-bit memory")
+    parser.add_argument("--note", default="", help="written under the command, e.g. what else was running")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    command = ("python scripts/bench_optim.py " + " ".join(sys.argv[1:])).strip()
+    command = ("python scripts/bench_optim.py " + shlex.join(sys.argv[1:])).strip()
     if args.quality:
-        text = quality_report(args.layers, command)
+        text = quality_report(args.layers, command, args.note)
         print(text)
         out = args.out or REPO / "results" / "optim_quality.md"
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -373,10 +377,11 @@ def main() -> None:
 
     text = (
         "# Optimizer-state memory and CPU step time\n\n"
-        f"Command: `{command}` ({args.threads} CPU threads, torch {torch.__version__}).\n"
+        f"Command: `{command}` ({args.threads} CPU threads, torch {torch.__version__}).\n{args.note}\n"
         f"Memory on the crammed-BERT parameter set ({args.layers} layers, hidden 768, vocab 32768, "
         f"{n_all / 1e6:.1f}M parameters), counted from the state each optimizer allocated in one real step; "
-        f"step times with {timed} (median of 10 steps without SVD, and the first step).\n"
+        f"step times with {timed} (median of 10 steps without SVD, interleaved across optimizers so that the "
+        "ratios hold under a changing load, and the first step).\n"
         "Targets (issue 5): AdamW 8-bit <= 2.1 B/param; GaLore 8-bit at rank 128 <= 20% of fp32 AdamW on the "
         "2-D weights.\n\n" + table(mem, times, n_all, n_2d) + "\n"
     )

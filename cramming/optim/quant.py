@@ -171,8 +171,7 @@ def as_blocks(flat: torch.Tensor, block: int = QBLOCK) -> torch.Tensor:
 
 def quantize_blocks(blocks: torch.Tensor, qmap: QuantMap) -> tuple[torch.Tensor, torch.Tensor]:
     """(blocks, block) fp32 -> (codes uint8 (blocks, block), absmax fp32 (blocks,))."""
-    low, high = torch.aminmax(blocks, dim=1)  # (blocks,) each: one pass, no |x| temporary
-    absmax = torch.maximum(high, -low)
+    absmax = blocks.abs().amax(dim=1)  # (blocks,); not aminmax: its dim-wise CPU path is ~40x slower
     scale = torch.where(absmax > 0, absmax, torch.ones_like(absmax))
     return qmap.nearest(blocks / scale[:, None]), absmax
 
