@@ -5,16 +5,19 @@ from __future__ import annotations
 import pytest
 import torch
 
+from cramming.optim.lowbit import AdamScalars, QuantizedMoments, adamw8bit_update_torch
 from cramming.optim.quant import (
     QBLOCK,
-    AdamScalars,
-    QuantizedMoments,
     QuantMap,
-    adamw8bit_update_torch,
     dequantize_blockwise,
     dynamic_map,
     quantize_blockwise,
 )
+
+
+def _dynamic(signed: bool) -> QuantMap:
+    """bitsandbytes' maps (the unsigned one with its zero point)."""
+    return QuantMap.build(dynamic_map(signed))
 
 
 @pytest.mark.parametrize("signed", [True, False])
@@ -32,7 +35,7 @@ def test_dynamic_map_shape(signed):
 def test_nearest_code_lookup_equals_brute_force(signed):
     """The two-gather lookup gives exactly the number of fp32 midpoints below y (the kernel's rule), on
     random values over every decade and on the awkward ones: codes, midpoints and their fp32 neighbours."""
-    qmap = QuantMap.dynamic(signed)
+    qmap = _dynamic(signed)
     code = qmap.code
     midpoints = (code[:-1] + code[1:]) * 0.5
     awkward = torch.cat([code, midpoints, torch.tensor([0.0, -0.0, 1.0, -1.0, 1e-30, -1e-30])])
@@ -42,7 +45,7 @@ def test_nearest_code_lookup_equals_brute_force(signed):
     y = torch.cat([awkward, *neighbours, magnitudes * signs])
     y = y if signed else y.abs()
     expected = (midpoints[None, :] < y[:, None]).sum(dim=1)
-    got = qmap.nearest(y)
+    got = qmap.nearest(y).long()
     bad = (got != expected).nonzero().flatten()
     assert bad.numel() == 0, (
         f"{bad.numel()} mismatches, e.g. y={y[bad[0]].item()!r}: {got[bad[0]]} != {expected[bad[0]]}"
@@ -67,7 +70,7 @@ def _per_element_bound(x_blocks: torch.Tensor, code: torch.Tensor) -> torch.Tens
 @pytest.mark.parametrize("numel", [1, 7, QBLOCK, QBLOCK + 1, 3 * QBLOCK - 5, 4099])
 @pytest.mark.parametrize("signed", [True, False])
 def test_quantize_error_bound_per_block(numel, signed):
-    qmap = QuantMap.dynamic(signed)
+    qmap = _dynamic(signed)
     code = qmap.code
     # blocks of very different scales, as moments have
     x = torch.randn(numel) * torch.logspace(-6, 2, numel)[torch.randperm(numel)]
@@ -95,7 +98,7 @@ def test_quantize_error_bound_per_block(numel, signed):
 
 
 def test_zero_block_round_trips_to_zero():
-    qmap = QuantMap.dynamic(True)
+    qmap = _dynamic(True)
     x = torch.zeros(2 * QBLOCK)
     x[QBLOCK:] = torch.randn(QBLOCK)
     codes, absmax = quantize_blockwise(x, qmap)
@@ -110,8 +113,32 @@ def test_first_update_from_zero_state_matches_adam_closely():
     g = torch.randn(n)
     moments = QuantizedMoments.zeros(n, p.device)
     s = AdamScalars.at_step(1, lr=0.1, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
-    adamw8bit_update_torch(p, g, moments, QuantMap.dynamic(True), QuantMap.dynamic(False), s)
+    adamw8bit_update_torch(p, g, moments, _dynamic(True), _dynamic(False), s)
     # the update uses the unquantized new moments, so the step is exact: -lr·g/|g|
     torch.testing.assert_close(p, -0.1 * torch.sign(g), rtol=1e-5, atol=1e-6)
-    m = dequantize_blockwise(moments.m_codes, moments.m_absmax, QuantMap.dynamic(True))
+    m = dequantize_blockwise(moments.m_codes, moments.m_absmax, _dynamic(True))
     torch.testing.assert_close(m, 0.1 * g, rtol=0.02, atol=0.1 * g.abs().max().item() * 0.01)
+
+
+@pytest.mark.parametrize("sqrt_v", [False, True])
+def test_chunked_step_equals_one_piece(monkeypatch, sqrt_v):
+    """The PyTorch 8-bit step works in pieces of whole blocks; the pieces cannot change a bit of the result
+    (every block's arithmetic is its own), including a ragged last piece and a non-contiguous parameter."""
+    import cramming.optim.lowbit as lowbit
+
+    n = 5 * QBLOCK + 37
+    m_map, v_map = _dynamic(True), QuantMap.build(dynamic_map(False, zero=False))
+    results = []
+    for chunk in (2 * QBLOCK, 1 << 20):
+        monkeypatch.setattr(lowbit, "CHUNK", chunk)
+        torch.manual_seed(0)
+        p = torch.randn(n, 2).t()  # (2, n), non-contiguous
+        moments = QuantizedMoments.zeros(p.numel(), p.device)
+        for t in range(1, 4):
+            s = AdamScalars.at_step(t, lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1)
+            adamw8bit_update_torch(p, torch.randn(2, n), moments, m_map, v_map, s, sqrt_v=sqrt_v)
+        results.append((p.clone(), moments))
+    (p1, a), (p2, b) = results
+    assert torch.equal(p1, p2)
+    for key in ("m_codes", "m_absmax", "v_codes", "v_absmax"):
+        assert torch.equal(getattr(a, key), getattr(b, key)), key

@@ -1,9 +1,11 @@
 """Optimizers selected by name (Hugging Face `optim` names), built from an OptimConfig.
 
     adamw                 torch.optim.AdamW
-    adamw_8bit            AdamW, block-wise 8-bit moments (fused Triton update on CUDA)
+    adamw_8bit            AdamW, block-wise 8-bit moments (fused Triton update on CUDA); with
+                          `backend=bitsandbytes`, bitsandbytes' AdamW8bit instead
+    adamw_4bit            AdamW, 4-bit moments after Li et al. (PyTorch only)
     galore_adamw          AdamW, GaLore-projected moments for the targeted 2-D weights
-    galore_adamw_8bit     both: the low-rank moments in 8 bits
+    galore_adamw_8bit     both: the low-rank moments in 8 bits (galore_adamw_4bit: in 4 bits)
     galore_adafactor      Adafactor, GaLore-projected
     <name>_layerwise      the same, each parameter updated in its gradient hook (see cramming.optim.base
                           for what the training loop must then do; `optimizer.layerwise` is True)
@@ -24,7 +26,7 @@ from cramming.model.bert import LayerNorm as CrammedLayerNorm
 from cramming.optim.adafactor import Adafactor
 from cramming.optim.adamw import KERNELS, AdamW
 from cramming.optim.base import LeanOptimizer, check_layerwise_loop
-from cramming.optim.config import OptimConfig
+from cramming.optim.config import BACKENDS, OptimConfig
 from cramming.optim.galore import galore_parameters
 from cramming.optim.report import format_state_report, optimizer_state_report
 
@@ -76,7 +78,7 @@ def lean_param_groups(model: nn.Module, cfg: OptimConfig, *, galore: bool, bits:
         )
     projected_ids = {id(p) for p in projected}
     embedding_ids = set()
-    if bits == 8 and cfg.embedding_32bit:
+    if bits < 32 and cfg.embedding_32bit:
         embedding_ids = {id(mod.weight) for mod in model.modules() if isinstance(mod, nn.Embedding)}
     groups = []
     if projected:
@@ -130,6 +132,7 @@ def _lean_adamw(
         weight_decay=cfg.weight_decay,
         optim_bits=bits,
         min_8bit_size=cfg.min_8bit_size,
+        second_moment_map=cfg.second_moment_map,
         kernel=kernel,
         layerwise=layerwise,
         max_grad_norm=max_grad_norm if layerwise else None,
@@ -148,12 +151,43 @@ def _galore_adafactor(
     )
 
 
+def _bitsandbytes_adamw8bit(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
+    """bitsandbytes' AdamW8bit with our settings (keyword arguments: bitsandbytes >= 0.50 reordered its
+    positional ones). Its second-moment map is its own (`dynamic`, with the zero point)."""
+    try:
+        import bitsandbytes as bnb
+    except ImportError as err:
+        raise ConfigError(
+            "`train.optim.backend=bitsandbytes` needs bitsandbytes (pip install 'bitsandbytes>=0.50', which "
+            f"steps on CPU too), or use `train.optim.backend=cramming` ({err})"
+        ) from err
+    if cfg.embedding_32bit:
+        raise ConfigError(
+            "`train.optim.embedding_32bit` is not passed to bitsandbytes (it sets that through a global "
+            "manager): use `train.optim.backend=cramming` for it, or embedding_32bit=false"
+        )
+    return bnb.optim.AdamW8bit(
+        param_groups(model, cfg.weight_decay),
+        lr=cfg.lr,
+        betas=tuple(cfg.betas),
+        eps=cfg.eps,
+        weight_decay=cfg.weight_decay,
+        min_8bit_size=cfg.min_8bit_size,
+    )
+
+
+# names each non-default backend implements
+BACKEND_NAMES = {"bitsandbytes": {"adamw_8bit": _bitsandbytes_adamw8bit}}
+
+
 def _registry() -> dict[str, Callable[..., torch.optim.Optimizer]]:
     adamw_kinds = {
         "adamw": {"bits": 32, "galore": False},  # only the layerwise form: plain `adamw` is torch's
         "adamw_8bit": {"bits": 8, "galore": False},
         "galore_adamw": {"bits": 32, "galore": True},
         "galore_adamw_8bit": {"bits": 8, "galore": True},
+        "adamw_4bit": {"bits": 4, "galore": False},
+        "galore_adamw_4bit": {"bits": 4, "galore": True},
     }
     registry: dict[str, Callable[..., torch.optim.Optimizer]] = {"adamw": _adamw}
     for name, kind in adamw_kinds.items():
@@ -187,4 +221,12 @@ def build_optimizer(
     check_choice(f"{scope}.name", cfg.name, OPTIMIZERS)
     cfg.check(scope)
     check_choice("kernel", kernel, KERNELS)
+    if cfg.backend != "cramming":
+        names = BACKEND_NAMES[cfg.backend]
+        if cfg.name not in names:
+            raise ConfigError(
+                f"`{scope}.backend={cfg.backend}` implements {', '.join(names)} only, not "
+                f"`{scope}.name={cfg.name}`: use `{scope}.backend=cramming`"
+            )
+        return names[cfg.name](model, cfg)
     return OPTIMIZERS[cfg.name](model, cfg, kernel=kernel, max_grad_norm=max_grad_norm)

@@ -1,31 +1,58 @@
-"""AdamW with 32-bit or block-wise 8-bit moments, optionally GaLore-projected, optionally layerwise.
+"""AdamW with 32-, 8- or 4-bit moments, optionally GaLore-projected, optionally layerwise.
 
-One class behind `adamw_8bit`, `galore_adamw`, `galore_adamw_8bit` and their `_layerwise` forms (plain
-`adamw` is torch.optim.AdamW). The 8-bit update of an unprojected tensor runs fused on CUDA (the Triton
-kernel in cramming.kernels.adamw8bit) and as PyTorch elsewhere; a GaLore group's low-rank moments use the
-same update, applied to a zero buffer, to get the normalized low-rank step that is then projected back.
+One class behind `adamw_8bit`, `adamw_4bit`, `galore_adamw`, `galore_adamw_8bit`, `galore_adamw_4bit` and
+their `_layerwise` forms (plain `adamw` is torch.optim.AdamW). The 8-bit update of an unprojected tensor runs
+fused on CUDA (the Triton kernel in cramming.kernels.adamw8bit) and as PyTorch elsewhere (and whenever
+Triton cannot launch); the 4-bit update is PyTorch only. A GaLore group's low-rank moments use the same
+update, applied to a zero buffer, to get the normalized low-rank step that is then projected back.
+
+Each quantized state records its second-moment format (`v_map`, a string, so `torch.load(weights_only=True)`
+reads it). A state saved before that entry existed is 8-bit with the `dynamic` map; `load_state_dict`
+re-encodes an 8-bit second moment into this optimizer's map, and refuses 8-bit state for a 4-bit optimizer
+(and the reverse) with a message naming the optimizer to resume with.
 """
 
 from __future__ import annotations
 
-import importlib.util
+import dataclasses
+import logging
 import math
 from collections.abc import Iterable
 
 import torch
 
+from cramming.kernels import triton_status
 from cramming.optim.base import LeanOptimizer, StateSpec
-from cramming.optim.quant import AdamScalars, QuantizedMoments, QuantMap, adamw8bit_update_torch, num_blocks
+from cramming.optim.lowbit import (
+    RANK1_DYNAMIC4,
+    AdamScalars,
+    Maps4bit,
+    QuantizedMoments,
+    adamw4bit_update_torch,
+    adamw8bit_update_torch,
+    convert_second_moment,
+    saved_format,
+    specs_4bit,
+    specs_8bit,
+)
+from cramming.optim.quant import SECOND_MOMENT_MAPS, QuantMap, first_moment_map, second_moment_map
+
+log = logging.getLogger(__name__)
 
 KERNELS = ("auto", "torch", "triton")
 MIN_8BIT_SIZE = 4096  # smaller tensors keep 32-bit moments (their state is negligible, their steps noisy)
+DEFAULT_SECOND_MOMENT_MAP = "sqrt"  # measured best on wide-ranged blocks: results/optim_quality.md
 
 
 class AdamW(LeanOptimizer):
-    """AdamW (torch.optim.AdamW's update order) with per-group `optim_bits` 32 or 8 and GaLore groups.
+    """AdamW (torch.optim.AdamW's update order) with per-group `optim_bits` 32, 8 or 4 and GaLore groups.
 
-    kernel: "auto" fuses 8-bit updates of CUDA tensors in Triton and uses PyTorch otherwise; "torch" always
-    PyTorch; "triton" always the kernel (on CPU only in the Triton interpreter, for tests).
+    second_moment_map: how 8-bit second moments are stored, a SECOND_MOMENT_MAPS name ("dynamic" is
+        bitsandbytes' map, whose zero point blows steps up on wide-ranged blocks; see cramming.optim.quant).
+        4-bit state has its own format (cramming.optim.lowbit.specs_4bit).
+    kernel: "auto" fuses 8-bit updates of CUDA tensors in Triton when `triton_status` says a kernel can
+        launch there, and uses PyTorch otherwise; "torch" always PyTorch; "triton" always the kernel (on CPU
+        only in the Triton interpreter, for tests).
     """
 
     def __init__(
@@ -38,14 +65,19 @@ class AdamW(LeanOptimizer):
         *,
         optim_bits: int = 32,
         min_8bit_size: int = MIN_8BIT_SIZE,
+        second_moment_map: str = DEFAULT_SECOND_MOMENT_MAP,
         kernel: str = "auto",
         layerwise: bool = False,
         max_grad_norm: float | None = None,
     ) -> None:
-        if optim_bits not in (8, 32):
-            raise ValueError(f"optim_bits must be 8 or 32, got {optim_bits}")
+        if optim_bits not in (4, 8, 32):
+            raise ValueError(f"optim_bits must be 4, 8 or 32, got {optim_bits}")
         if kernel not in KERNELS:
             raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
+        if second_moment_map not in SECOND_MOMENT_MAPS:
+            raise ValueError(
+                f"second_moment_map must be one of {tuple(SECOND_MOMENT_MAPS)}, got {second_moment_map!r}"
+            )
         defaults = {
             "lr": lr,
             "betas": tuple(betas),
@@ -56,43 +88,79 @@ class AdamW(LeanOptimizer):
         }
         super().__init__(params, defaults, layerwise=layerwise, max_grad_norm=max_grad_norm)
         self.kernel = kernel
-        self._triton_installed = importlib.util.find_spec("triton") is not None
-        self._maps: dict[torch.device, tuple[QuantMap, QuantMap]] = {}
+        self.second_moment_map = second_moment_map
+        self._maps: dict[torch.device, tuple[QuantMap, QuantMap, Maps4bit]] = {}
+        self._triton_ok: dict[str, bool] = {}
+
+    @staticmethod
+    def _bits(numel: int, group: dict) -> int:
+        """The state precision of a tensor of `numel` elements in `group`."""
+        return group["optim_bits"] if numel >= group["min_8bit_size"] else 32
 
     def _moment_specs(self, shape: tuple[int, ...], group: dict) -> StateSpec:
-        numel = math.prod(shape)
-        if group["optim_bits"] == 8 and numel >= group["min_8bit_size"]:
-            nb = num_blocks(numel)
-            return {
-                "m_codes": ((numel,), torch.uint8),
-                "m_absmax": ((nb,), torch.float32),
-                "v_codes": ((numel,), torch.uint8),
-                "v_absmax": ((nb,), torch.float32),
-            }
+        bits = self._bits(math.prod(shape), group)
+        if bits == 8:
+            return specs_8bit(math.prod(shape))
+        if bits == 4:
+            return specs_4bit(shape)
         return {"exp_avg": (shape, torch.float32), "exp_avg_sq": (shape, torch.float32)}
 
-    # --- 8-bit ----------------------------------------------------------------------------------------
+    def _state_tags(self, shape: tuple[int, ...], group: dict) -> dict:
+        bits = self._bits(math.prod(shape), group)
+        return {"v_map": {8: self.second_moment_map, 4: RANK1_DYNAMIC4}[bits]} if bits < 32 else {}
 
-    def _quant_maps(self, device: torch.device) -> tuple[QuantMap, QuantMap]:
-        """(signed map for the first moment, unsigned for the second), built once per device."""
+    # --- quantized ------------------------------------------------------------------------------------
+
+    def _quant_maps(self, device: torch.device) -> tuple[QuantMap, QuantMap, Maps4bit]:
+        """(8-bit first-moment map, 8-bit second-moment map, 4-bit maps), built once per device."""
         if device not in self._maps:
-            self._maps[device] = (QuantMap.dynamic(True, device), QuantMap.dynamic(False, device))
+            self._maps[device] = (
+                first_moment_map(8, device),
+                second_moment_map(self.second_moment_map, device),
+                Maps4bit.build(device),
+            )
         return self._maps[device]
 
     def _use_triton(self, param: torch.Tensor) -> bool:
-        if self.kernel == "auto":
-            return param.is_cuda and param.is_contiguous() and self._triton_installed
-        return self.kernel == "triton"
+        if self.kernel != "auto":
+            return self.kernel == "triton"
+        return param.is_contiguous() and self._can_launch(param.device.type)
 
-    def _update_8bit(self, param: torch.Tensor, grad: torch.Tensor, state: dict, s: AdamScalars) -> None:
-        moments = QuantizedMoments(state["m_codes"], state["m_absmax"], state["v_codes"], state["v_absmax"])
-        m_map, v_map = self._quant_maps(param.device)
+    def _can_launch(self, device_type: str) -> bool:
+        """kernel="auto": whether the fused update runs on `device_type` (CUDA only: the interpreter is for
+        tests, never chosen by itself); asked once per device type, a fallback is logged once."""
+        if device_type != "cuda":
+            return False
+        if device_type not in self._triton_ok:
+            ok, why = triton_status(device_type)
+            self._triton_ok[device_type] = ok
+            if not ok:
+                log.warning("8-bit AdamW: the fused Triton update cannot launch (%s); using PyTorch", why)
+        return self._triton_ok[device_type]
+
+    def _update_quantized(self, param: torch.Tensor, grad: torch.Tensor, state: dict, s: AdamScalars) -> None:
+        m_map, v_map, maps4 = self._quant_maps(param.device)
+        if state["v_map"] == RANK1_DYNAMIC4:
+            adamw4bit_update_torch(param, grad, state, maps4, s)
+            return
+        sqrt_v = SECOND_MOMENT_MAPS[self.second_moment_map].sqrt
         if self._use_triton(param):
             from cramming.kernels.adamw8bit import adamw8bit_update_triton
 
-            adamw8bit_update_triton(param, grad, moments, m_map, v_map, s)
+            adamw8bit_update_triton(
+                param,
+                grad,
+                *(state[k] for k in ("m_codes", "m_absmax", "v_codes", "v_absmax")),
+                m_map.code,
+                v_map.code,
+                **dataclasses.asdict(s),
+                sqrt_v=sqrt_v,
+            )
         else:
-            adamw8bit_update_torch(param, grad, moments, m_map, v_map, s)
+            moments = QuantizedMoments(
+                state["m_codes"], state["m_absmax"], state["v_codes"], state["v_absmax"]
+            )
+            adamw8bit_update_torch(param, grad, moments, m_map, v_map, s, sqrt_v=sqrt_v)
 
     # --- the update -----------------------------------------------------------------------------------
 
@@ -101,7 +169,7 @@ class AdamW(LeanOptimizer):
         if "m_codes" in state:
             # the fused update on a zero "parameter" with lr 1 and no decay leaves -m̂/(sqrt(v̂)+eps) in it
             out = torch.zeros_like(grad, dtype=torch.float32)
-            self._update_8bit(
+            self._update_quantized(
                 out, grad, state, AdamScalars.at_step(step, 1.0, group["betas"], group["eps"], 0.0)
             )
             return out.neg_()
@@ -113,7 +181,7 @@ class AdamW(LeanOptimizer):
     ) -> None:
         lr, wd = group["lr"], group["weight_decay"]
         if "m_codes" in state:
-            self._update_8bit(
+            self._update_quantized(
                 param, grad, state, AdamScalars.at_step(step, lr, group["betas"], group["eps"], wd)
             )
             return
@@ -123,6 +191,40 @@ class AdamW(LeanOptimizer):
         work.addcdiv_(exp_avg, denom, value=-step_size)
         if work is not param:
             param.copy_(work)
+
+    # --- state dict -------------------------------------------------------------------------------------
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """As LeanOptimizer's, then bring each quantized state to this optimizer's format: an 8-bit second
+        moment saved with another map (or before maps were recorded: `dynamic`) is re-encoded; a 4-bit
+        state for an 8-bit optimizer, or the reverse, is refused."""
+        # the precision is this optimizer's (the saved groups would bring theirs back with them)
+        precision = [{k: g[k] for k in ("optim_bits", "min_8bit_size")} for g in self.param_groups]
+        super().load_state_dict(state_dict)
+        for group, own in zip(self.param_groups, precision, strict=True):
+            group.update(own)
+        for group in self.param_groups:
+            for param in group["params"]:
+                state = self.state.get(param)
+                if not state or "m_codes" not in state:
+                    continue
+                saved = saved_format(state)
+                wanted = self._state_tags(self.moment_shape(param, group), group).get("v_map")
+                saved_bits = 4 if saved == RANK1_DYNAMIC4 else 8
+                if wanted is None or (wanted == RANK1_DYNAMIC4) != (saved_bits == 4):
+                    wanted_bits = 32 if wanted is None else 4 if wanted == RANK1_DYNAMIC4 else 8
+                    raise ValueError(
+                        f"optimizer state of a {tuple(param.shape)} parameter is {saved_bits}-bit, this optimizer "
+                        f"keeps it in {wanted_bits} bits: resume with the optimizer that saved it (e.g. "
+                        f"`train.optim.name=adamw_{saved_bits}bit` or the galore_ form) or start the optimizer "
+                        "state afresh"
+                    )
+                if saved_bits == 8:
+                    moments = QuantizedMoments(
+                        state["m_codes"], state["m_absmax"], state["v_codes"], state["v_absmax"]
+                    )
+                    convert_second_moment(moments, saved, wanted)
+                state["v_map"] = wanted
 
     @staticmethod
     def _adam_moments(

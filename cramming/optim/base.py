@@ -86,6 +86,10 @@ class LeanOptimizer(torch.optim.Optimizer):
         """The state tensors (besides projectors) for moments of `shape`: name -> (shape, dtype)."""
         raise NotImplementedError
 
+    def _state_tags(self, shape: tuple[int, ...], group: dict) -> dict:
+        """Plain (non-tensor) entries a fresh state of moments of `shape` starts with, e.g. its format."""
+        return {}
+
     def _direction(self, grad: torch.Tensor, state: dict, group: dict, step: int) -> torch.Tensor:
         """Update the moments with the fp32 `grad` and return the normalized update (p -= lr · direction)."""
         raise NotImplementedError
@@ -101,6 +105,13 @@ class LeanOptimizer(torch.optim.Optimizer):
             param.copy_(work)
 
     # --- the step -------------------------------------------------------------------------------------
+
+    @staticmethod
+    def moment_shape(param: torch.Tensor, group: dict) -> tuple[int, ...]:
+        """The shape of this parameter's moments: its own, or its low-rank shape in a GaLore group."""
+        if group["rank"] > 0:
+            return galore.low_rank_shape(tuple(param.shape), group["rank"], group["proj_type"])
+        return tuple(param.shape)
 
     def state_spec(self, param: torch.Tensor, group: dict) -> StateSpec:
         """Every state tensor this parameter will have, predicted without a step (for the memory report)."""
@@ -121,6 +132,7 @@ class LeanOptimizer(torch.optim.Optimizer):
             for key, (shape, dtype) in self.state_spec(param, group).items():
                 if not key.startswith("galore_"):  # projectors come from the first SVD
                     state[key] = torch.zeros(shape, dtype=dtype, device=param.device)
+            state.update(self._state_tags(self.moment_shape(param, group), group))
         state["step"] += 1
         step = state["step"]
         if group["rank"] == 0:

@@ -1,8 +1,9 @@
 """Typed configuration of the optimizer (`train/optim` group).
 
 Names and settings follow Hugging Face's `optim`, `optim_args` and `optim_target_modules`: `name` is one of
-cramming.optim.OPTIMIZERS (adamw, adamw_8bit, galore_adamw, galore_adamw_8bit, galore_adafactor, each also
-with `_layerwise`); the GaLore and 8-bit settings below are read only by the names that use them.
+cramming.optim.OPTIMIZERS (adamw, adamw_8bit, adamw_4bit, galore_adamw, galore_adamw_8bit, galore_adamw_4bit,
+galore_adafactor, each also with `_layerwise`); the GaLore and low-bit settings below are read only by the
+names that use them.
 """
 
 from __future__ import annotations
@@ -11,9 +12,12 @@ import re
 from dataclasses import dataclass, field
 
 from cramming.errors import check_choice, config_error
+from cramming.optim.quant import SECOND_MOMENT_MAPS
 
 PROJ_TYPES = ("std", "reverse_std", "left", "right", "full")
 ALL_LINEAR = "all-linear"
+# cramming: our implementation (every name); bitsandbytes: bnb.optim.AdamW8bit (adamw_8bit only)
+BACKENDS = ("cramming", "bitsandbytes")
 
 
 @dataclass
@@ -40,11 +44,19 @@ class OptimConfig:
     # for every nn.Linear except the output layer / tied embedding; only 2-D weights are projected
     target_modules: list[str] = field(default_factory=lambda: [ALL_LINEAR])
 
-    # --- 8-bit state (*_8bit) ----------------------------------------------------------------------
-    # tensors with fewer elements keep 32-bit moments (bitsandbytes' rule)
+    # --- low-bit state (*_8bit, *_4bit) --------------------------------------------------------------
+    # tensors with fewer elements keep 32-bit moments (bitsandbytes' rule; applies to 4-bit state too)
     min_8bit_size: int = 4096
     # keep the embeddings' moments in 32 bits (bitsandbytes' advice for stability; costs 6 B/param there)
     embedding_32bit: bool = False
+    # how 8-bit second moments are stored: sqrt (sqrt(v) on a dynamic map whose smallest code is positive;
+    # closest to fp32 AdamW in results/optim_quality.md), nonzero (v on that map), or dynamic
+    # (bitsandbytes' map: a v below 1.6e-7 of its block's absmax becomes 0, and that element's next step is
+    # up to 31x Adam's; see cramming/optim/quant.py). 4-bit state has its own zero-free format; the
+    # bitsandbytes backend always uses its own map (dynamic)
+    second_moment_map: str = "sqrt"
+    # cramming (ours, every name) or bitsandbytes (bnb.optim.AdamW8bit, for adamw_8bit; needs bitsandbytes)
+    backend: str = "cramming"
 
     def check(self, scope: str = "train.optim") -> None:
         """Ranges and choices, each error naming `{scope}.<key>`: the owner calls this with where the config
@@ -65,6 +77,8 @@ class OptimConfig:
             raise config_error(f"{scope}.scale", self.scale, "use a positive scale, e.g. 0.25")
         check_choice(f"{scope}.proj_type", self.proj_type, PROJ_TYPES)
         self._check_targets(scope)
+        check_choice(f"{scope}.second_moment_map", self.second_moment_map, SECOND_MOMENT_MAPS)
+        check_choice(f"{scope}.backend", self.backend, BACKENDS)
         if self.min_8bit_size < 0:
             raise config_error(
                 f"{scope}.min_8bit_size", self.min_8bit_size, "use 0 or a positive element count"
