@@ -26,7 +26,7 @@ from cramming.model.bert import LayerNorm as CrammedLayerNorm
 from cramming.optim.adafactor import Adafactor
 from cramming.optim.adamw import KERNELS, AdamW
 from cramming.optim.base import LeanOptimizer, check_layerwise_loop
-from cramming.optim.config import BACKENDS, OptimConfig
+from cramming.optim.config import OptimConfig
 from cramming.optim.galore import galore_parameters
 from cramming.optim.report import format_state_report, optimizer_state_report
 
