@@ -323,7 +323,9 @@ def check_stop(run: Run) -> str | None:
 
 def run_update(run: Run) -> str | None:
     """Accumulate the micro-batches of one update and apply it. Returns a stop reason that came up on the way;
-    an update cut short by it is dropped (its rows are trained on again after a resume)."""
+    an update cut short by it is dropped: its gradients are zeroed, its rows are trained on again after a
+    resume and the RNG is rewound to where the update began, so the state saved next is that of the last
+    completed update and a resumed run draws the same dropout masks as an uninterrupted one."""
     # mb: rows of one micro-batch over all ranks; batch_size counts global sequences per update
     train_cfg, mb = run.cfg.train, run.microbatch_size * run.ranks.world_size
     accumulate = accumulation_steps(
@@ -334,6 +336,7 @@ def run_update(run: Run) -> str | None:
     correct = torch.zeros((), device=run.device)
     predicted = torch.zeros((), device=run.device)
     reason, done = None, 0
+    rng = rng_state()
     while done < accumulate and reason is None:
         # several ranks reduce gradients once per update: after its last micro-batch
         with distributed.grad_sync(run.step_model, run.ranks, sync=done + 1 == accumulate):
@@ -346,6 +349,7 @@ def run_update(run: Run) -> str | None:
         reason = check_stop(run)
     if done < accumulate:
         run.optimizer.zero_grad(set_to_none=True)
+        set_rng_state(rng)
         return reason
     run.progress.rows += accumulate * mb  # consumed, whether applied or skipped as non-finite
     # several ranks: the mean loss over all of them (so all skip a non-finite update), summed counts
@@ -510,10 +514,7 @@ def save_resumable_state(run: Run) -> None:
         "step": run.step.state_dict(),
         "progress": asdict(run.progress),
         "elapsed": elapsed,
-        "rng": {
-            "torch": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-        },
+        "rng": rng_state(),
         "arch": asdict(run.cfg.arch),
         "data_path": str(run.data.path),
     }
@@ -564,9 +565,21 @@ def restore(run: Run, state: dict) -> None:
     run.progress = Progress(**state["progress"])
     run.step.stats.skipped = run.progress.skipped
     run.step.stats.skipped_in_a_row = run.progress.skipped_in_a_row
-    torch.set_rng_state(state["rng"]["torch"])
-    if state["rng"]["cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["rng"]["cuda"])
+    set_rng_state(state["rng"])
+
+
+def rng_state() -> dict:
+    """The torch RNG streams (dropout draws from them; masks do not: they are keyed by stream row)."""
+    return {
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+    }
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 def finish(run: Run, reason: str) -> TrainResult:
