@@ -4,6 +4,7 @@ data position and the budget's elapsed time, and ends where an uninterrupted run
 from __future__ import annotations
 
 import json
+import logging
 import signal
 
 import pytest
@@ -196,3 +197,71 @@ def test_resume_after_a_signal_mid_update_is_bit_identical(tmp_path, monkeypatch
     ours, theirs = _final_weights(second), _final_weights(reference)
     worst = max((ours[k] - v).abs().max().item() for k, v in theirs.items())
     assert worst == 0.0, f"max |dw| = {worst:.3e}"
+
+
+def _interrupted_twice(tmp_path, monkeypatch, ticking):
+    """A run that saved a state after every update (a fake minute each) and was stopped by SIGTERM during
+    update 4: state.pt is update 4's state, state.prev.pt update 3's."""
+    clock, install_clock = ticking
+    data = synthetic_data(tmp_path)
+    cfg = make_config(tmp_path, "budget=1", "train.checkpoint_every_min=1")
+    send_signal_after(monkeypatch, 4, signal.SIGTERM)
+    install_clock()
+    loop.train(cfg, data, run_dir(cfg), clock=clock)
+    monkeypatch.undo()
+    folder = run_dir(cfg)
+    state = checkpoint.load_state(folder / checkpoint.STATE)
+    previous = checkpoint.load_state(folder / checkpoint.PREVIOUS)
+    assert (state["progress"]["updates"], previous["progress"]["updates"]) == (4, 3)
+    return data, folder
+
+
+def test_a_truncated_state_falls_back_to_the_previous_one(tmp_path, monkeypatch, ticking, caplog):
+    data, folder = _interrupted_twice(tmp_path, monkeypatch, ticking)
+    newest = folder / checkpoint.STATE
+    newest.write_bytes(newest.read_bytes()[:1000])  # a truncated write (a disk that filled up)
+    resumed = make_config(tmp_path, "budget=1", "resume=true", "train.steps=5")
+    caplog.set_level(logging.INFO, logger="cramming")
+    result = loop.train(resumed, data, run_dir(resumed, "2026-01-01_01-00-00"))
+    assert result.progress.updates == 5
+    assert str(newest) in caplog.text and str(folder / checkpoint.PREVIOUS) in caplog.text
+    assert f"resuming from {folder / checkpoint.PREVIOUS}: update 3" in caplog.text
+
+
+@pytest.mark.parametrize("damage", ["truncated", "pickle"])
+def test_no_loadable_state_fails_naming_the_file(tmp_path, monkeypatch, ticking, damage):
+    data, folder = _interrupted_twice(tmp_path, monkeypatch, ticking)
+    for name in (checkpoint.STATE, checkpoint.PREVIOUS):
+        path = folder / name
+        if damage == "truncated":
+            path.write_bytes(path.read_bytes()[:1000])
+        else:  # an object weights_only refuses to unpickle: loading it could run code
+            torch.save({"version": 2, "payload": _NotATensor()}, path)
+    resumed = make_config(tmp_path, "budget=1", "resume=true")
+    with pytest.raises(ConfigError, match="resume=false") as caught:
+        loop.train(resumed, data, run_dir(resumed, "2026-01-01_01-00-00"))
+    assert str(folder / checkpoint.STATE) in str(caught.value)
+    assert str(folder / checkpoint.PREVIOUS) in str(caught.value)
+
+
+class _NotATensor:
+    pass
+
+
+def test_saving_a_state_keeps_the_previous_one_and_leaves_no_temporary_file(tmp_path):
+    path = tmp_path / checkpoint.STATE
+    for version in (1, 2, 3):
+        checkpoint.save_state(path, {"version": version})
+    assert checkpoint.load_state(path)["version"] == 3
+    assert checkpoint.load_state(tmp_path / checkpoint.PREVIOUS)["version"] == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == [checkpoint.PREVIOUS, checkpoint.STATE]
+
+
+@pytest.mark.parametrize("damaged", [model_checkpoint.WEIGHTS, model_checkpoint.MODEL_CONFIG])
+def test_a_damaged_checkpoint_names_the_file(tmp_path, damaged):
+    _, _, directory = save_tiny(tmp_path)
+    path = directory / damaged
+    path.write_bytes(path.read_bytes()[:100])
+    with pytest.raises(model_checkpoint.CheckpointUnreadable, match="damaged") as caught:
+        model_checkpoint.load_pretrained(directory)
+    assert str(path) in str(caught.value) and isinstance(caught.value, ConfigError)  # eval.py: exit 2

@@ -15,6 +15,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -23,6 +25,7 @@ from safetensors.torch import load_model, save_model
 from tokenizers import Tokenizer
 from torch import nn
 
+from cramming.errors import ConfigError
 from cramming.model.bert import BertForMLM
 from cramming.model.build import build_model
 from cramming.model.config import ArchConfig
@@ -74,6 +77,10 @@ def save_pretrained(
     return directory
 
 
+class CheckpointUnreadable(ConfigError):
+    """A checkpoint's files are there but do not load (truncated, or not what they claim to be)."""
+
+
 @dataclass
 class Pretrained:
     model: BertForMLM
@@ -108,8 +115,26 @@ def load_pretrained(path_or_name: str | Path, base_dir: str | Path = "outputs", 
     """Rebuild the model of a checkpoint with its weights. build_kwargs go to build_model (device,
     attention, layernorm, strict_kernels, dropout: None means the arch's fine-tuning dropout)."""
     directory = resolve_checkpoint(path_or_name, base_dir)
-    config = json.loads((directory / MODEL_CONFIG).read_text())
-    arch = ArchConfig(**config["arch"])
+    with _naming(directory / MODEL_CONFIG):
+        config = json.loads((directory / MODEL_CONFIG).read_text())
+        arch = ArchConfig(**config["arch"])
     model = build_model(arch, config["vocab_size"], **build_kwargs)
-    load_model(model, str(directory / WEIGHTS), device=str(next(model.parameters()).device))
-    return Pretrained(model, Tokenizer.from_file(str(directory / TOKENIZER)), config, directory)
+    with _naming(directory / WEIGHTS):
+        load_model(model, str(directory / WEIGHTS), device=str(next(model.parameters()).device))
+    with _naming(directory / TOKENIZER):
+        tokenizer = Tokenizer.from_file(str(directory / TOKENIZER))
+    return Pretrained(model, tokenizer, config, directory)
+
+
+@contextmanager
+def _naming(path: Path) -> Iterator[None]:
+    """Turn a failure to read `path` (SafetensorError, JSONDecodeError, a missing key, ...) into a
+    CheckpointUnreadable that names the file and the fix."""
+    try:
+        yield
+    except Exception as err:
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise CheckpointUnreadable(
+            f"{path} does not load ({type(err).__name__}: {reason}): the checkpoint is damaged or incomplete"
+            f" (a copy cut short?). Copy the run folder again, or evaluate another run"
+        ) from err

@@ -539,7 +539,7 @@ def load_resume_state(cfg: PretrainConfig) -> dict | None:
             f"resume=true but no run named {cfg.name!r} under {cfg.base_dir} left a resumable state"
             f" ({checkpoint.STATE}); check `name` and `base_dir`, or start afresh with resume=false"
         )
-    state = checkpoint.load_state(path)
+    path, state = checkpoint.load_newest_state(path)  # falls back to state.prev.pt, with a warning
     if state.get("version") != STATE_VERSION:
         raise ConfigError(f"{path} has state version {state.get('version')}, this code reads {STATE_VERSION}")
     log.info(
