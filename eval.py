@@ -21,7 +21,7 @@ from cramming.eval.config import EvalRunConfig
 from cramming.eval.run import checkpoint_backbone, run_glue
 from cramming.model import KernelUnavailableError
 from cramming.model.checkpoint import resolve_checkpoint
-from cramming.runcard import JobFailed, RunCard, run_job
+from cramming.runcard import JobFailed, RunCard, run_entry_point, run_job
 
 log = logging.getLogger("cramming")
 register_configs()
@@ -64,4 +64,4 @@ def evaluate(cfg: DictConfig, card: RunCard) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_entry_point(main)  # configuration errors met by Hydra exit 2, like those the job finds

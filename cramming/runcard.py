@@ -34,9 +34,12 @@ from typing import TYPE_CHECKING
 
 import torch
 from hydra.core.hydra_config import HydraConfig
+from hydra.errors import HydraException
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
+from cramming.errors import ConfigError
 from cramming.utils import atomic_write_text, process_rank
 
 if TYPE_CHECKING:
@@ -222,6 +225,38 @@ def run_job(task: Callable[[DictConfig, RunCard], None], cfg: DictConfig, kind: 
     else:
         card.end("ok")
         log.info("run card: %s", card.run_dir / RUN_CARD)
+
+
+# exit status of a run whose configuration is wrong (README: exit codes)
+CONFIG_EXIT = 2
+
+
+def run_entry_point(hydra_main: Callable[[], None]) -> None:
+    """Call an entry point's @hydra.main function so that a configuration Hydra rejects before the job starts
+    (a misspelled key, an unknown group option, a value of the wrong type, a bad `name` or `base_dir` met
+    while claiming the run folder) exits with CONFIG_EXIT and its message, like the configuration errors the
+    job itself finds. Errors of the job keep their exit status (run_job); a crash keeps its traceback.
+
+    Hydra is told (HYDRA_FULL_ERROR, unless the user set it) to pass its errors on rather than exit 1."""
+    os.environ.setdefault("HYDRA_FULL_ERROR", "1")
+    try:
+        hydra_main()
+    except (HydraException, OmegaConfBaseException, ConfigError) as err:
+        log.error("configuration error: %s", _config_message(err))
+        sys.exit(CONFIG_EXIT)
+
+
+def _config_message(err: BaseException) -> str:
+    """The message of the innermost ConfigError behind `err` (ours name the key and the fix), else the chain's
+    messages: Hydra's 'Could not override ...' and omegaconf's 'full_key: ...'."""
+    chain, seen = [], set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if isinstance(err, ConfigError):
+            return str(err)
+        chain.append(str(err).strip())
+        err = err.__cause__
+    return "\n".join(dict.fromkeys(m for m in chain if m))
 
 
 def card_for_hydra_job(kind: str, cfg: DictConfig) -> RunCard:

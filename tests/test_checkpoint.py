@@ -265,3 +265,29 @@ def test_a_damaged_checkpoint_names_the_file(tmp_path, damaged):
     with pytest.raises(model_checkpoint.CheckpointUnreadable, match="damaged") as caught:
         model_checkpoint.load_pretrained(directory)
     assert str(path) in str(caught.value) and isinstance(caught.value, ConfigError)  # eval.py: exit 2
+
+
+def test_two_saves_into_one_place_never_share_a_temporary_folder(tmp_path, monkeypatch):
+    """A second save starting while the first is writing (another process, simulated by nesting): each
+    writes into a temporary folder of its own, both complete, and none is left behind."""
+    data = synthetic_data(tmp_path)
+    model = build_model(make_config(tmp_path).arch, data.vocab_size)
+    directory = tmp_path / "run" / model_checkpoint.CHECKPOINT_DIR
+    write = model_checkpoint._write_checkpoint
+    nested = []
+
+    def write_and_let_another_save_run(model, partial, tokenizer, **kwargs):
+        if not nested:
+            nested.append(partial)
+            save(info={"by": "second"})
+        write(model, partial, tokenizer, **kwargs)
+
+    def save(info):
+        model_checkpoint.save_pretrained(
+            model, directory, data.tokenizer, seq_length=32, special=data.special, info=info
+        )
+
+    monkeypatch.setattr(model_checkpoint, "_write_checkpoint", write_and_let_another_save_run)
+    save(info={"by": "first"})
+    assert model_checkpoint.load_pretrained(directory).config["training"] == {"by": "first"}  # the last one
+    assert sorted(p.name for p in directory.parent.iterdir()) == [model_checkpoint.CHECKPOINT_DIR]

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
@@ -57,9 +58,22 @@ def save_pretrained(
     Written into a sibling temporary folder first and renamed, so a reader never finds half a checkpoint.
     """
     directory = Path(directory)
-    partial = directory.with_name(f".{directory.name}.partial")
-    shutil.rmtree(partial, ignore_errors=True)
-    partial.mkdir(parents=True)
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    # a temporary folder of this call's own: two saves into the same place never write into each other
+    partial = Path(tempfile.mkdtemp(dir=directory.parent, prefix=f".{directory.name}.", suffix=".partial"))
+    partial.chmod(0o755)  # mkdtemp's folder is private (0700); a checkpoint is read by others too
+    try:
+        _write_checkpoint(model, partial, tokenizer, seq_length=seq_length, special=special, info=info)
+        shutil.rmtree(directory, ignore_errors=True)
+        os.replace(partial, directory)
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
+    return directory
+
+
+def _write_checkpoint(
+    model: nn.Module, partial: Path, tokenizer: Tokenizer, *, seq_length: int, special: Any, info: dict
+) -> None:
     plain = unwrap(model)
     save_model(plain, str(partial / WEIGHTS))  # drops the tied duplicate, keeps one name for it
     config = {
@@ -72,9 +86,6 @@ def save_pretrained(
     }
     (partial / MODEL_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
     tokenizer.save(str(partial / TOKENIZER))
-    shutil.rmtree(directory, ignore_errors=True)
-    os.replace(partial, directory)
-    return directory
 
 
 class CheckpointUnreadable(ConfigError):
