@@ -187,6 +187,7 @@ class RunCard:
             "glue_average": report["glue_average"],
             "scores": {entry: score["median"] for entry, score in report["scores"].items()},
             "skipped_no_data": report["skipped_no_data"],
+            "bad_rows_skipped": report.get("bad_rows_skipped", {}),
             "not_run_budget": report["not_run_budget"],
         }
         self.seconds["eval"] = report["seconds"]
