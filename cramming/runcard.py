@@ -20,6 +20,7 @@ import logging
 import os
 import platform
 import shlex
+import socket
 import statistics
 import subprocess
 import sys
@@ -84,7 +85,7 @@ class RunCard:
     kind: str  # pretrain | eval
     config: dict
     job: dict = field(default_factory=dict)
-    status: str = "running"  # running | ok | failed | interrupted
+    status: str = "running"  # running | ok | failed | interrupted (readers add killed: card_status)
     error: str | None = None
     started: str = field(default_factory=lambda: _now())
     finished: str | None = None
@@ -112,6 +113,8 @@ class RunCard:
             "job": self.job,
             "started": self.started,
             "finished": self.finished,
+            # which process writes the card: a `running` card whose process is gone was killed (card_status)
+            "process": {"pid": os.getpid(), "host": socket.gethostname()},
             "seed": self.config.get("seed"),
             "config": self.config,
             "git": git_state(),
@@ -191,6 +194,23 @@ class RunCard:
             "not_run_budget": report["not_run_budget"],
         }
         self.seconds["eval"] = report["seconds"]
+
+
+def card_status(card: dict) -> str:
+    """A card's status as a reader should show it: `killed` for a card left `running`, without a finish
+    time, by a process of this host that no longer exists (SIGKILL, out of memory, a lost machine);
+    a card from another host, or from before cards recorded their process, keeps what it says."""
+    status = card.get("status", "unknown")
+    process = card.get("process") or {}
+    if status != "running" or card.get("finished") or process.get("host") != socket.gethostname():
+        return status
+    try:
+        os.kill(int(process["pid"]), 0)  # signal 0: only asks whether the process exists
+    except ProcessLookupError:
+        return "killed"
+    except (PermissionError, KeyError, TypeError, ValueError):  # alive under another user, or no pid
+        pass
+    return status
 
 
 # ------------------------------------------------------------------------------------------- running a job
