@@ -170,7 +170,11 @@ class RunCard:
             "anytime": [{k: v for k, v in r.items() if k != "update"} for r in anytime],
         }
         self.seconds |= split_training_time(
-            losses, anytime, wall=self.seconds.pop("train", 0.0), budget_spent=result.elapsed
+            losses,
+            anytime,
+            wall=self.seconds.pop("train", 0.0),
+            budget_spent=result.elapsed - result.elapsed_before,  # by this process: a resumed run's own
+            elapsed_before=result.elapsed_before,
         )
         if result.checkpoint is None:
             self.status = "interrupted"
@@ -382,20 +386,21 @@ def read_metrics(run_dir: Path) -> list[dict]:
 
 
 def split_training_time(
-    losses: list[dict], anytime: list[dict], wall: float, budget_spent: float
+    losses: list[dict], anytime: list[dict], wall: float, budget_spent: float, elapsed_before: float = 0.0
 ) -> dict[str, float | None]:
     """Split the wall time of train() into set-up, compile, train and eval, from the metrics records.
 
     The first record covers the set-up (on the budget's clock, before its window) and the first update;
     `compile` is what that first update took beyond a steady one (torch.compile, lazy initialization).
     `eval` is everything in train() that is not set-up or updates: anytime evaluations, the final
-    validation and saving the model.
+    validation and saving the model. A resumed run: budget_spent is what this process spent, and the records'
+    elapsed_h count on from elapsed_before (the budget the resumed state had spent).
     """
     if not losses:
         return {"setup": None, "compile": None, "train": budget_spent, "eval": wall - budget_spent}
     first = losses[0]
     first_update = first["batch_size"] / first["seq_per_s"]
-    setup = max(0.0, first["elapsed_h"] * 3600 - first_update)
+    setup = max(0.0, first["elapsed_h"] * 3600 - elapsed_before - first_update)
     steady = [r["seq_per_s"] for r in losses[1:]]
     compile_s = max(0.0, first_update - first["batch_size"] / statistics.median(steady)) if steady else 0.0
     charged = sum(r["anytime_seconds"] for r in anytime if r["anytime_charged"])

@@ -127,6 +127,12 @@ def test_time_split_from_the_metrics_records():
     assert split["compile"] == pytest.approx(1.0 - 0.32)
     assert split["train"] == pytest.approx(30.0 - 2.0 - 0.68 - 4.0)
     assert sum(split.values()) == pytest.approx(40.0)
+    # the same run resumed from a state that had spent 1000 s: the records count on from there, the split
+    # is of this process's time (it took the set-up of a fresh run for 1000 s more)
+    resumed = [r | {"elapsed_h": r["elapsed_h"] + 1000.0 / 3600} for r in losses]
+    assert split_training_time(resumed, anytime, wall=40.0, budget_spent=30.0, elapsed_before=1000.0) == (
+        pytest.approx(split)
+    )
 
 
 def test_paused_budget_clock_does_not_count_the_pause():

@@ -108,6 +108,7 @@ class Run:
     batches: Iterator[tuple[torch.Tensor, torch.Tensor]] | None = None  # (stream rows, input_ids)
     window: Window = field(default_factory=Window)
     last_save: float = 0.0  # budget seconds at the last resumable state
+    elapsed_before: float = 0.0  # budget seconds the resumed state had spent (0 for a fresh run)
     signals: StopSignals | None = None
     metrics_file: Path | None = None  # None: no metrics written (ranks other than 0)
     ranks: distributed.Ranks = field(default_factory=distributed.Ranks)  # a single process by default
@@ -127,6 +128,7 @@ class TrainResult:
     elapsed: float  # seconds of budget spent in all parts of the run
     checkpoint: Path | None  # the final model; None when interrupted
     validation: dict | None
+    elapsed_before: float = 0.0  # of `elapsed`, the part spent before a resume (by the runs resumed from)
 
 
 # ---------------------------------------------------------------------------------------------------- set-up
@@ -176,6 +178,7 @@ def set_up(
     )
     if state:
         restore(run, state)
+        run.elapsed_before = state["elapsed"]
     run.last_save = budget.elapsed()
     open_reporting(run, hooks)
     if cfg.impl.compile_on(ranks.device):
@@ -591,7 +594,7 @@ def finish(run: Run, reason: str) -> TrainResult:
     if reason in ("SIGINT", "SIGTERM"):
         distributed.barrier(run.ranks)  # every rank returns once rank 0's state is on disk
         close_reporting(run, final=False)
-        return TrainResult(run.run_dir, reason, run.progress, elapsed, None, None)
+        return TrainResult(run.run_dir, reason, run.progress, elapsed, None, None, run.elapsed_before)
     validation = evaluate(run)  # on every rank: FSDP2's forward is collective
     info = {"updates": run.progress.updates, "elapsed_h": elapsed / 3600, "stop_reason": reason}
     if validation:
@@ -615,7 +618,7 @@ def finish(run: Run, reason: str) -> TrainResult:
         log.info("final model saved to %s", path)
     distributed.barrier(run.ranks)  # every rank returns once the checkpoint is on disk
     close_reporting(run, final=True)
-    return TrainResult(run.run_dir, reason, run.progress, elapsed, path, validation)
+    return TrainResult(run.run_dir, reason, run.progress, elapsed, path, validation, run.elapsed_before)
 
 
 @torch.no_grad()
