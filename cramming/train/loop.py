@@ -143,8 +143,11 @@ def set_up(
 ) -> Run:
     ranks = distributed.init_from_env(cfg.impl)  # under torchrun: its process group; else a single process
     run_dir.mkdir(parents=True, exist_ok=True)
+    loading = clock()
     state = load_resume_state(cfg)
-    budget = distributed.budget_clock(ranks, cfg.budget, clock, state["elapsed"] if state else 0.0)
+    # reading the state is part of this run's set-up, on the budget; the downtime before it is not
+    spent = (state["elapsed"] if state else 0.0) + clock() - loading
+    budget = distributed.budget_clock(ranks, cfg.budget, clock, spent)
     dtype = cfg.impl.compute_dtype(ranks.device)
     configure_torch(cfg, ranks.device)
     model = build_model(
