@@ -15,13 +15,13 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from cramming.config import register_configs, validate
-from cramming.errors import ConfigError
+from cramming.errors import ConfigError, DataSourceError
 from cramming.eval.backbone import Backbone
 from cramming.eval.config import EvalRunConfig
 from cramming.eval.run import checkpoint_backbone, run_glue
 from cramming.model import KernelUnavailableError
 from cramming.model.checkpoint import resolve_checkpoint
-from cramming.runcard import JobFailed, RunCard, run_job
+from cramming.runcard import JobFailed, RunCard, run_entry_point, run_job
 
 log = logging.getLogger("cramming")
 register_configs()
@@ -58,10 +58,10 @@ def evaluate(cfg: DictConfig, card: RunCard) -> None:
     log.info("evaluating %s on %s with %s", checkpoint, ", ".join(config.eval.tasks), config.eval.optim.name)
     try:
         report = run_glue(config, backbone, Path(HydraConfig.get().runtime.output_dir))
-    except (ConfigError, KernelUnavailableError) as err:
+    except (ConfigError, DataSourceError, KernelUnavailableError) as err:  # e.g. a named task without data
         raise JobFailed(err, exit_code=2) from err
     card.record_glue(checkpoint, report)
 
 
 if __name__ == "__main__":
-    main()
+    run_entry_point(main)  # configuration errors met by Hydra exit 2, like those the job finds

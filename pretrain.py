@@ -19,7 +19,7 @@ from cramming.data import prepare_pretraining_data
 from cramming.errors import ConfigError, DataSourceError
 from cramming.eval.anytime import AnytimeEval
 from cramming.model import KernelUnavailableError
-from cramming.runcard import JobFailed, RunCard, run_job
+from cramming.runcard import JobFailed, RunCard, run_entry_point, run_job
 from cramming.train import distributed
 from cramming.train.loop import TrainingDiverged, train
 
@@ -70,4 +70,4 @@ def pretrain(cfg: DictConfig, card: RunCard) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_entry_point(main)  # configuration errors met by Hydra exit 2, like those the job finds

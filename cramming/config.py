@@ -22,6 +22,7 @@ from cramming.impl import ImplConfig
 from cramming.model.config import ArchConfig
 from cramming.train.config import TrainConfig
 from cramming.train.distributed import PARALLEL
+from cramming.utils import claim_run_dir
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 
@@ -73,6 +74,8 @@ def register_configs() -> None:
     cs = ConfigStore.instance()
     cs.store(name="pretrain_schema", node=PretrainConfig)
     cs.store(name="eval_schema", node=EvalRunConfig)
+    # hydra.run.dir / hydra.sweep.dir: ${run_dir:${base_dir},${name},<stamp>} claims a folder of its own
+    OmegaConf.register_new_resolver("run_dir", claim_run_dir, replace=True)
 
 
 def validate(cfg: DictConfig, schema: type = PretrainConfig):

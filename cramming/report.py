@@ -31,7 +31,7 @@ from pathlib import Path
 from matplotlib.figure import Figure
 from omegaconf import OmegaConf
 
-from cramming.runcard import RUN_CARD, read_metrics
+from cramming.runcard import RUN_CARD, card_status, read_metrics
 
 log = logging.getLogger("cramming")
 
@@ -90,7 +90,8 @@ def _natural(path: Path) -> list:
 
 def _read_card(path: Path) -> dict:
     if (path / RUN_CARD).exists():
-        return json.loads((path / RUN_CARD).read_text())
+        card = json.loads((path / RUN_CARD).read_text())
+        return card | {"status": card_status(card)}  # a `running` card whose process is gone: killed
     # a run from before run cards: what its folder tells
     hydra_dir = path / ".hydra"
     card = {"kind": "pretrain", "status": "unknown", "job": {}, "config": {}, "metrics": {}}

@@ -20,6 +20,7 @@ import logging
 import os
 import platform
 import shlex
+import socket
 import statistics
 import subprocess
 import sys
@@ -34,9 +35,12 @@ from typing import TYPE_CHECKING
 
 import torch
 from hydra.core.hydra_config import HydraConfig
+from hydra.errors import HydraException
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
+from cramming.errors import ConfigError
 from cramming.utils import atomic_write_text, process_rank
 
 if TYPE_CHECKING:
@@ -81,7 +85,7 @@ class RunCard:
     kind: str  # pretrain | eval
     config: dict
     job: dict = field(default_factory=dict)
-    status: str = "running"  # running | ok | failed | interrupted
+    status: str = "running"  # running | ok | failed | interrupted (readers add killed: card_status)
     error: str | None = None
     started: str = field(default_factory=lambda: _now())
     finished: str | None = None
@@ -109,6 +113,8 @@ class RunCard:
             "job": self.job,
             "started": self.started,
             "finished": self.finished,
+            # which process writes the card: a `running` card whose process is gone was killed (card_status)
+            "process": {"pid": os.getpid(), "host": socket.gethostname()},
             "seed": self.config.get("seed"),
             "config": self.config,
             "git": git_state(),
@@ -164,7 +170,11 @@ class RunCard:
             "anytime": [{k: v for k, v in r.items() if k != "update"} for r in anytime],
         }
         self.seconds |= split_training_time(
-            losses, anytime, wall=self.seconds.pop("train", 0.0), budget_spent=result.elapsed
+            losses,
+            anytime,
+            wall=self.seconds.pop("train", 0.0),
+            budget_spent=result.elapsed - result.elapsed_before,  # by this process: a resumed run's own
+            elapsed_before=result.elapsed_before,
         )
         if result.checkpoint is None:
             self.status = "interrupted"
@@ -184,9 +194,27 @@ class RunCard:
             "glue_average": report["glue_average"],
             "scores": {entry: score["median"] for entry, score in report["scores"].items()},
             "skipped_no_data": report["skipped_no_data"],
+            "bad_rows_skipped": report.get("bad_rows_skipped", {}),
             "not_run_budget": report["not_run_budget"],
         }
         self.seconds["eval"] = report["seconds"]
+
+
+def card_status(card: dict) -> str:
+    """A card's status as a reader should show it: `killed` for a card left `running`, without a finish
+    time, by a process of this host that no longer exists (SIGKILL, out of memory, a lost machine);
+    a card from another host, or from before cards recorded their process, keeps what it says."""
+    status = card.get("status", "unknown")
+    process = card.get("process") or {}
+    if status != "running" or card.get("finished") or process.get("host") != socket.gethostname():
+        return status
+    try:
+        os.kill(int(process["pid"]), 0)  # signal 0: only asks whether the process exists
+    except ProcessLookupError:
+        return "killed"
+    except (PermissionError, KeyError, TypeError, ValueError):  # alive under another user, or no pid
+        pass
+    return status
 
 
 # ------------------------------------------------------------------------------------------- running a job
@@ -222,6 +250,38 @@ def run_job(task: Callable[[DictConfig, RunCard], None], cfg: DictConfig, kind: 
     else:
         card.end("ok")
         log.info("run card: %s", card.run_dir / RUN_CARD)
+
+
+# exit status of a run whose configuration is wrong (README: exit codes)
+CONFIG_EXIT = 2
+
+
+def run_entry_point(hydra_main: Callable[[], None]) -> None:
+    """Call an entry point's @hydra.main function so that a configuration Hydra rejects before the job starts
+    (a misspelled key, an unknown group option, a value of the wrong type, a bad `name` or `base_dir` met
+    while claiming the run folder) exits with CONFIG_EXIT and its message, like the configuration errors the
+    job itself finds. Errors of the job keep their exit status (run_job); a crash keeps its traceback.
+
+    Hydra is told (HYDRA_FULL_ERROR, unless the user set it) to pass its errors on rather than exit 1."""
+    os.environ.setdefault("HYDRA_FULL_ERROR", "1")
+    try:
+        hydra_main()
+    except (HydraException, OmegaConfBaseException, ConfigError) as err:
+        log.error("configuration error: %s", _config_message(err))
+        sys.exit(CONFIG_EXIT)
+
+
+def _config_message(err: BaseException) -> str:
+    """The message of the innermost ConfigError behind `err` (ours name the key and the fix), else the chain's
+    messages: Hydra's 'Could not override ...' and omegaconf's 'full_key: ...'."""
+    chain, seen = [], set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if isinstance(err, ConfigError):
+            return str(err)
+        chain.append(str(err).strip())
+        err = err.__cause__
+    return "\n".join(dict.fromkeys(m for m in chain if m))
 
 
 def card_for_hydra_job(kind: str, cfg: DictConfig) -> RunCard:
@@ -326,20 +386,21 @@ def read_metrics(run_dir: Path) -> list[dict]:
 
 
 def split_training_time(
-    losses: list[dict], anytime: list[dict], wall: float, budget_spent: float
+    losses: list[dict], anytime: list[dict], wall: float, budget_spent: float, elapsed_before: float = 0.0
 ) -> dict[str, float | None]:
     """Split the wall time of train() into set-up, compile, train and eval, from the metrics records.
 
     The first record covers the set-up (on the budget's clock, before its window) and the first update;
     `compile` is what that first update took beyond a steady one (torch.compile, lazy initialization).
     `eval` is everything in train() that is not set-up or updates: anytime evaluations, the final
-    validation and saving the model.
+    validation and saving the model. A resumed run: budget_spent is what this process spent, and the records'
+    elapsed_h count on from elapsed_before (the budget the resumed state had spent).
     """
     if not losses:
         return {"setup": None, "compile": None, "train": budget_spent, "eval": wall - budget_spent}
     first = losses[0]
     first_update = first["batch_size"] / first["seq_per_s"]
-    setup = max(0.0, first["elapsed_h"] * 3600 - first_update)
+    setup = max(0.0, first["elapsed_h"] * 3600 - elapsed_before - first_update)
     steady = [r["seq_per_s"] for r in losses[1:]]
     compile_s = max(0.0, first_update - first["batch_size"] / statistics.median(steady)) if steady else 0.0
     charged = sum(r["anytime_seconds"] for r in anytime if r["anytime_charged"])

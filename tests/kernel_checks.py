@@ -1,8 +1,27 @@
-"""Comparison helper for the kernel tests: on a mismatch, say where it is and by how much."""
+"""Comparison helpers for the kernel tests: on a mismatch, say where it is and by how much; tolerances for
+results that differ only by the order of their sums."""
 
 from __future__ import annotations
 
+import math
+
 import torch
+
+# λ of the probabilistic rounding-error bound (Higham & Mary, SIAM J. Sci. Comput. 2019): a sum of n terms
+# accumulated in a dtype of unit roundoff u is off by at most λ·sqrt(n)·u·Σ|terms| with probability at least
+# 1 - 2·exp(-λ²/2) (≈ 3e-14 for λ = 8), whatever the order, the SIMD width or the FMA choices. The worst-case
+# bound, n·u·Σ|terms|, is far looser than any order a machine actually takes.
+LAMBDA = 8.0
+
+
+def unit_roundoff(dtype: torch.dtype) -> float:
+    return torch.finfo(dtype).eps / 2
+
+
+def sum_rtol(length: int, dtype: torch.dtype = torch.float32) -> float:
+    """How far apart two sums of the same `length` terms in `dtype`, taken in any two orders (kernel and
+    reference), may be, relative to the sum of the terms' magnitudes."""
+    return 2 * LAMBDA * math.sqrt(max(length, 1)) * unit_roundoff(dtype)
 
 
 def assert_close(name: str, got: torch.Tensor, want: torch.Tensor, atol: float, rtol: float) -> None:

@@ -4,6 +4,7 @@ data position and the budget's elapsed time, and ends where an uninterrupted run
 from __future__ import annotations
 
 import json
+import logging
 import signal
 
 import pytest
@@ -161,3 +162,132 @@ def test_state_is_written_atomically_and_loads_weights_only(tmp_path, monkeypatc
     assert "state.pt" in files and not any(name.endswith(".tmp") for name in files)
     state = checkpoint.load_state(run_dir(cfg) / checkpoint.STATE)
     assert state["progress"]["updates"] == 2 and not any("_orig_mod" in k for k in state["model"])
+
+
+def _final_weights(result) -> dict[str, torch.Tensor]:
+    return model_checkpoint.load_pretrained(result.checkpoint).model.state_dict()
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_resume_after_a_signal_mid_update_is_bit_identical(tmp_path, monkeypatch, signum):
+    """Stopped after 3 of the 4 micro-batches of update 3, then resumed: the state is that of the last
+    completed update (weights, data position, RNG), so the run ends with the same bits as an uninterrupted
+    one. Same code path, same inputs, same process, single-threaded CPU: exact equality is guaranteed.
+    Dropout is on, so the torch RNG stream is part of what must match."""
+    settings = (
+        "budget=1", "train.batch_size=32", "train.batch_size_ramp=0", "train.steps=5",
+        "train.lr_schedule=steps-linear", "train.dropout=0.1",
+    )  # fmt: skip
+    data = synthetic_data(tmp_path)
+    reference_cfg = make_config(tmp_path, *settings, "name=reference")
+    reference = loop.train(reference_cfg, data, run_dir(reference_cfg))
+
+    cfg = make_config(tmp_path, *settings)
+    send_signal_after(monkeypatch, 11, signum)  # update 3 = micro-batches 9-12: stops after the 11th
+    first = loop.train(cfg, data, run_dir(cfg, "2026-01-01_00-00-00"))
+    assert first.stop_reason == signal.Signals(signum).name and first.progress.updates == 2
+    saved = checkpoint.load_state(run_dir(cfg, "2026-01-01_00-00-00") / checkpoint.STATE)
+    # the last whole update (`microbatches` counts every micro-batch run, the dropped ones too)
+    assert (saved["progress"]["updates"], saved["progress"]["rows"]) == (2, 64)
+    monkeypatch.undo()
+
+    resumed_cfg = make_config(tmp_path, *settings, "resume=true")
+    second = loop.train(resumed_cfg, data, run_dir(cfg, "2026-01-01_01-00-00"))
+    assert second.stop_reason == "steps" and second.progress.updates == 5
+    ours, theirs = _final_weights(second), _final_weights(reference)
+    worst = max((ours[k] - v).abs().max().item() for k, v in theirs.items())
+    assert worst == 0.0, f"max |dw| = {worst:.3e}"
+
+
+def _interrupted_twice(tmp_path, monkeypatch, ticking):
+    """A run that saved a state after every update (a fake minute each) and was stopped by SIGTERM during
+    update 4: state.pt is update 4's state, state.prev.pt update 3's."""
+    clock, install_clock = ticking
+    data = synthetic_data(tmp_path)
+    cfg = make_config(tmp_path, "budget=1", "train.checkpoint_every_min=1")
+    send_signal_after(monkeypatch, 4, signal.SIGTERM)
+    install_clock()
+    loop.train(cfg, data, run_dir(cfg), clock=clock)
+    monkeypatch.undo()
+    folder = run_dir(cfg)
+    state = checkpoint.load_state(folder / checkpoint.STATE)
+    previous = checkpoint.load_state(folder / checkpoint.PREVIOUS)
+    assert (state["progress"]["updates"], previous["progress"]["updates"]) == (4, 3)
+    return data, folder
+
+
+def test_a_truncated_state_falls_back_to_the_previous_one(tmp_path, monkeypatch, ticking, caplog):
+    data, folder = _interrupted_twice(tmp_path, monkeypatch, ticking)
+    newest = folder / checkpoint.STATE
+    newest.write_bytes(newest.read_bytes()[:1000])  # a truncated write (a disk that filled up)
+    resumed = make_config(tmp_path, "budget=1", "resume=true", "train.steps=5")
+    caplog.set_level(logging.INFO, logger="cramming")
+    result = loop.train(resumed, data, run_dir(resumed, "2026-01-01_01-00-00"))
+    assert result.progress.updates == 5
+    assert str(newest) in caplog.text and str(folder / checkpoint.PREVIOUS) in caplog.text
+    assert f"resuming from {folder / checkpoint.PREVIOUS}: update 3" in caplog.text
+
+
+@pytest.mark.parametrize("damage", ["truncated", "pickle"])
+def test_no_loadable_state_fails_naming_the_file(tmp_path, monkeypatch, ticking, damage):
+    data, folder = _interrupted_twice(tmp_path, monkeypatch, ticking)
+    for name in (checkpoint.STATE, checkpoint.PREVIOUS):
+        path = folder / name
+        if damage == "truncated":
+            path.write_bytes(path.read_bytes()[:1000])
+        else:  # an object weights_only refuses to unpickle: loading it could run code
+            torch.save({"version": 2, "payload": _NotATensor()}, path)
+    resumed = make_config(tmp_path, "budget=1", "resume=true")
+    with pytest.raises(ConfigError, match="resume=false") as caught:
+        loop.train(resumed, data, run_dir(resumed, "2026-01-01_01-00-00"))
+    assert str(folder / checkpoint.STATE) in str(caught.value)
+    assert str(folder / checkpoint.PREVIOUS) in str(caught.value)
+
+
+class _NotATensor:
+    pass
+
+
+def test_saving_a_state_keeps_the_previous_one_and_leaves_no_temporary_file(tmp_path):
+    path = tmp_path / checkpoint.STATE
+    for version in (1, 2, 3):
+        checkpoint.save_state(path, {"version": version})
+    assert checkpoint.load_state(path)["version"] == 3
+    assert checkpoint.load_state(tmp_path / checkpoint.PREVIOUS)["version"] == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == [checkpoint.PREVIOUS, checkpoint.STATE]
+
+
+@pytest.mark.parametrize("damaged", [model_checkpoint.WEIGHTS, model_checkpoint.MODEL_CONFIG])
+def test_a_damaged_checkpoint_names_the_file(tmp_path, damaged):
+    _, _, directory = save_tiny(tmp_path)
+    path = directory / damaged
+    path.write_bytes(path.read_bytes()[:100])
+    with pytest.raises(model_checkpoint.CheckpointUnreadable, match="damaged") as caught:
+        model_checkpoint.load_pretrained(directory)
+    assert str(path) in str(caught.value) and isinstance(caught.value, ConfigError)  # eval.py: exit 2
+
+
+def test_two_saves_into_one_place_never_share_a_temporary_folder(tmp_path, monkeypatch):
+    """A second save starting while the first is writing (another process, simulated by nesting): each
+    writes into a temporary folder of its own, both complete, and none is left behind."""
+    data = synthetic_data(tmp_path)
+    model = build_model(make_config(tmp_path).arch, data.vocab_size)
+    directory = tmp_path / "run" / model_checkpoint.CHECKPOINT_DIR
+    write = model_checkpoint._write_checkpoint
+    nested = []
+
+    def write_and_let_another_save_run(model, partial, tokenizer, **kwargs):
+        if not nested:
+            nested.append(partial)
+            save(info={"by": "second"})
+        write(model, partial, tokenizer, **kwargs)
+
+    def save(info):
+        model_checkpoint.save_pretrained(
+            model, directory, data.tokenizer, seq_length=32, special=data.special, info=info
+        )
+
+    monkeypatch.setattr(model_checkpoint, "_write_checkpoint", write_and_let_another_save_run)
+    save(info={"by": "first"})
+    assert model_checkpoint.load_pretrained(directory).config["training"] == {"by": "first"}  # the last one
+    assert sorted(p.name for p in directory.parent.iterdir()) == [model_checkpoint.CHECKPOINT_DIR]

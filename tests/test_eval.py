@@ -12,7 +12,7 @@ import torch
 
 from cramming.data.config import NormalizerConfig, TokenizerConfig
 from cramming.data.tokenizer import SpecialTokens, build_normalizer, train_tokenizer
-from cramming.errors import ConfigError
+from cramming.errors import ConfigError, DataSourceError
 from cramming.eval.config import EvalConfig, EvalRunConfig
 from cramming.eval.finetune import finetune
 from cramming.eval.glue_data import load_local
@@ -76,18 +76,32 @@ def test_every_optimizer_family_fits_the_training_subset(sst2, optim):
     assert result.steps == 8 * 10
 
 
-def test_run_glue_writes_tables_and_skips_missing_tasks(sst2, tmp_path, glue_dir):
+def partial_glue(tmp_path: Path, glue_dir: Path, tasks=("RTE", "STS-B")) -> Path:
+    """A GLUE folder with only `tasks` (links to the shared copy)."""
+    partial = tmp_path / "glue"
+    partial.mkdir()
+    for task in tasks:
+        (partial / task).symlink_to(glue_dir / task)
+    return partial
+
+
+def small_eval(glue: Path, **changes) -> EvalConfig:
+    return EvalConfig(
+        glue_dir=str(glue), epochs=1, max_train_examples=48, max_eval_examples=40,
+        optim=replace(EvalConfig().optim, lr=1e-3), **changes,
+    )  # fmt: skip
+
+
+def test_run_glue_writes_tables_and_skips_missing_tasks_of_the_default_list(sst2, tmp_path, glue_dir):
     _, checkpoint = sst2
     cfg = EvalRunConfig(
-        eval=EvalConfig(
-            tasks=["RTE", "STS-B", "QQP"], glue_dir=str(glue_dir), epochs=1, max_train_examples=48,
-            max_eval_examples=40, optim=replace(EvalConfig().optim, lr=1e-3),
-        ),
+        eval=small_eval(partial_glue(tmp_path, glue_dir)),  # the default eight tasks, two of them there
         impl=ImplConfig(device="cpu"),
         checkpoint=str(checkpoint),
-    )  # fmt: skip
+    )
+    assert not cfg.eval.tasks_named
     report = run_glue(cfg, checkpoint_backbone(checkpoint, cfg.impl), tmp_path)
-    assert report["skipped_no_data"] == ["QQP"]
+    assert report["skipped_no_data"] == ["CoLA", "SST-2", "MRPC", "QQP", "MNLI", "QNLI"]
     assert set(report["scores"]) == {"RTE", "STS-B"}
     assert report["scores"]["STS-B"]["metric"] == "pearson"
     assert report["average_entries"] == ["STS-B", "RTE"]
@@ -95,7 +109,66 @@ def test_run_glue_writes_tables_and_skips_missing_tasks(sst2, tmp_path, glue_dir
         report["glue_average"]
     )
     table = (tmp_path / RESULTS_TABLE).read_text()
-    assert "| STS-B | RTE | Avg |" in table and "Skipped (no data): QQP." in table
+    assert "| STS-B | RTE | Avg |" in table and "Skipped (no data): CoLA, SST-2, MRPC, QQP" in table
+
+
+def test_a_named_task_without_data_fails_before_any_finetuning(sst2, tmp_path, glue_dir):
+    _, checkpoint = sst2
+    cfg = EvalRunConfig(
+        eval=small_eval(partial_glue(tmp_path, glue_dir), tasks=["RTE", "QQP"]),
+        impl=ImplConfig(device="cpu"),
+        checkpoint=str(checkpoint),
+    )
+    with pytest.raises(DataSourceError, match=r"QQP: missing .*eval.tasks names QQP"):
+        run_glue(cfg, checkpoint_backbone(checkpoint, cfg.impl), tmp_path / "out")
+    assert not (tmp_path / "out" / RESULTS_JSON).exists()
+
+
+def test_a_glue_dir_that_does_not_exist_fails_at_start_up():
+    with pytest.raises(ConfigError, match="eval.glue_dir.*no such folder"):
+        EvalConfig(glue_dir="/nonexistent/glue", tasks=["RTE"])
+
+
+def test_bad_rows_fail_unless_skipped_and_then_are_counted(sst2, tmp_path, glue_dir):
+    _, checkpoint = sst2
+    glue = tmp_path / "glue" / "RTE"
+    glue.mkdir(parents=True)
+    (glue / "dev.tsv").symlink_to(glue_dir / "RTE" / "dev.tsv")
+    lines = (glue_dir / "RTE" / "train.tsv").read_text().splitlines()[:61]
+    lines[5] = "5\tonly one sentence"  # a missing field
+    lines[9] = lines[9].rsplit("\t", 1)[0] + "\tmaybe"  # a label outside the task's
+    (glue / "train.tsv").write_text("\n".join(lines) + "\n")
+    cfg = EvalRunConfig(eval=small_eval(glue.parent, tasks=["RTE"]), impl=ImplConfig(device="cpu"),
+                        checkpoint=str(checkpoint))  # fmt: skip
+    with pytest.raises(
+        DataSourceError, match=r"train.tsv:6 has 2 fields, expected 4: .*eval.skip_bad_rows=true"
+    ):
+        run_glue(cfg, checkpoint_backbone(checkpoint, cfg.impl), tmp_path / "strict")
+    cfg.eval.skip_bad_rows = True
+    report = run_glue(cfg, checkpoint_backbone(checkpoint, cfg.impl), tmp_path / "lenient")
+    assert report["bad_rows_skipped"] == {"RTE": 2} and set(report["scores"]) == {"RTE"}
+    assert json.loads((tmp_path / "lenient" / RESULTS_JSON).read_text())["bad_rows_skipped"] == {"RTE": 2}
+    assert (
+        "Bad rows skipped (eval.skip_bad_rows): RTE 2." in (tmp_path / "lenient" / RESULTS_TABLE).read_text()
+    )
+
+
+def test_eval_py_fails_with_exit_2_and_a_failed_card_when_a_named_task_has_no_data(sst2, tmp_path):
+    import subprocess
+    import sys
+
+    _, checkpoint = sst2
+    done = subprocess.run(
+        [sys.executable, "eval.py", f"checkpoint={checkpoint}", f"base_dir={tmp_path}", "impl.device=cpu",
+         f"eval.glue_dir={tmp_path}", "eval.tasks=[RTE]"],
+        cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    output = done.stdout + done.stderr
+    assert done.returncode == 2, output[-3000:]
+    assert f"RTE: missing {tmp_path / 'RTE' / 'train.tsv'}" in output
+    (card,) = tmp_path.glob("glue/*/run_card.json")
+    card = json.loads(card.read_text())
+    assert card["status"] == "failed" and "eval.tasks names RTE" in card["error"]
 
 
 def test_eval_budget_stops_before_later_tasks(sst2, tmp_path, glue_dir):

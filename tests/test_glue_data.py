@@ -52,11 +52,32 @@ def test_tasks_absent_here_are_reported_missing(glue_dir, name):
         load_local(GLUE_TASKS[name], glue_dir)
 
 
-def test_bad_label_names_file_and_line(tmp_path):
+@pytest.mark.parametrize(
+    "task, content, message",
+    [
+        ("RTE", "index\tsentence1\tsentence2\tlabel\n0\ta\tb\tentailment\n1\ta\tb\tmaybe\n",
+         r"train.tsv:3 label 'maybe' is not one of"),
+        ("RTE", "index\tsentence1\tsentence2\tlabel\n0\ta\tb\n", r"train.tsv:2 has 3 fields, expected 4"),
+        ("STS-B", "index\tgenre\tfilename\tyear\told_index\tsource1\tsource2\tsentence1\tsentence2\tscore\n"
+         "0\tg\tf\ty\to\ts\ts\ta\tb\tabc\n", r"train.tsv:2 score 'abc' is not a number"),
+    ],
+)  # fmt: skip
+def test_a_bad_row_names_file_and_line_and_can_be_skipped(tmp_path, task, content, message):
     path = tmp_path / "train.tsv"
-    path.write_text("index\tsentence1\tsentence2\tlabel\n0\ta\tb\tmaybe\n")
-    with pytest.raises(DataSourceError, match=r"train.tsv:2: label 'maybe'"):
-        read_tsv(path, GLUE_TASKS["RTE"])
+    path.write_text(content)
+    with pytest.raises(DataSourceError, match=message + r".*eval.skip_bad_rows=true"):
+        read_tsv(path, GLUE_TASKS[task])
+    bad_rows = []
+    rows = read_tsv(path, GLUE_TASKS[task], bad_rows)
+    assert len(bad_rows) == 1 and str(path) in bad_rows[0]
+    assert len(rows) == content.count("\n") - 2
+
+
+def test_a_header_without_the_label_column_fails_even_when_skipping_rows(tmp_path):
+    path = tmp_path / "train.tsv"
+    path.write_text("index\tsentence1\tsentence2\tgold\n0\ta\tb\tentailment\n")
+    with pytest.raises(DataSourceError, match=r"train.tsv:1 has no column\(s\) \['label'\]"):
+        read_tsv(path, GLUE_TASKS["RTE"], bad_rows=[])
 
 
 def test_glue_sane_is_eight_tasks_with_two_mnli_entries():

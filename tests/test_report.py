@@ -124,3 +124,33 @@ def test_a_run_folder_without_a_card_is_read_from_its_files(tmp_path):
 def test_an_empty_folder_is_an_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="no run folders"):
         build_report(tmp_path)
+
+
+def test_a_running_card_whose_process_was_killed_shows_killed(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    run = tmp_path / "pretrain" / "2026-01-01_00-00-00"
+    writer = (
+        "import sys, time; from pathlib import Path; from cramming.runcard import RunCard;"
+        " RunCard(Path(sys.argv[1]), 'pretrain', {}).write(); time.sleep(120)"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", writer, str(run)])
+    try:
+        deadline = time.monotonic() + 90
+        while not (run / RUN_CARD).exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert [r.card["status"] for r in collect_runs(tmp_path)] == ["running"]  # alive: still running
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+    card = json.loads((run / RUN_CARD).read_text())
+    assert card["status"] == "running" and card["process"]["pid"] == proc.pid
+    assert [r.card["status"] for r in collect_runs(tmp_path)] == ["killed"]
+    assert "killed" in build_report(tmp_path, tmp_path / "out").read_text()
+    # a card from another machine cannot be checked from here: it keeps its status
+    (run / RUN_CARD).write_text(json.dumps(card | {"process": {"pid": proc.pid, "host": "elsewhere"}}))
+    assert [r.card["status"] for r in collect_runs(tmp_path)] == ["running"]

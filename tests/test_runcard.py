@@ -127,6 +127,12 @@ def test_time_split_from_the_metrics_records():
     assert split["compile"] == pytest.approx(1.0 - 0.32)
     assert split["train"] == pytest.approx(30.0 - 2.0 - 0.68 - 4.0)
     assert sum(split.values()) == pytest.approx(40.0)
+    # the same run resumed from a state that had spent 1000 s: the records count on from there, the split
+    # is of this process's time (it took the set-up of a fresh run for 1000 s more)
+    resumed = [r | {"elapsed_h": r["elapsed_h"] + 1000.0 / 3600} for r in losses]
+    assert split_training_time(resumed, anytime, wall=40.0, budget_spent=30.0, elapsed_before=1000.0) == (
+        pytest.approx(split)
+    )
 
 
 def test_paused_budget_clock_does_not_count_the_pause():
@@ -153,3 +159,64 @@ def test_tensorboard_writes_the_metrics_records(tmp_path):
     events.Reload()
     assert {"loss", "lr", "skipped", "anytime/RTE"} <= set(events.Tags()["scalars"])
     assert [(e.step, e.value) for e in events.Scalars("loss")] == [(10, 7.5), (20, 6.5)]
+
+
+# ------------------------------------------------------------------------------------------- run folders
+
+
+def test_runs_started_in_the_same_second_get_folders_of_their_own(tmp_path, monkeypatch):
+    from cramming import utils
+
+    stamp = "2026-01-01_00-00-00"
+    first = utils.claim_run_dir(str(tmp_path), "conc", stamp)
+    assert utils.claim_run_dir(str(tmp_path), "conc", stamp) == first  # Hydra resolving it again: the same
+    claimed = [first]
+    for _ in range(10):  # each a new process: nothing remembered of the claims before
+        monkeypatch.setattr(utils, "_CLAIMED", {})
+        claimed.append(utils.claim_run_dir(str(tmp_path), "conc", stamp))
+    assert len(set(claimed)) == 11 and Path(claimed[-1]).name == f"{stamp}_11"
+    for folder in claimed:  # the newest is the last claimed, _11 after _2
+        (Path(folder) / "state.pt").touch()
+    assert utils.newest_run_dir(tmp_path, "conc", "state.pt") == Path(claimed[-1])
+
+
+def test_concurrent_processes_claim_different_folders(tmp_path):
+    import subprocess
+    import sys
+
+    claim = (
+        "import sys, time; from cramming.utils import claim_run_dir; time.sleep(max(0, float(sys.argv[1]) -"
+        " time.time())); print(claim_run_dir(sys.argv[2], 'conc', '2026-01-01_00-00-00'))"
+    )
+    start = f"{__import__('time').time() + 4:.3f}"  # all claim at the same moment, after their imports
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", claim, start, str(tmp_path)], stdout=subprocess.PIPE, text=True
+        )
+        for _ in range(3)
+    ]
+    folders = [p.communicate(timeout=120)[0].strip() for p in procs]
+    assert all(p.returncode == 0 for p in procs)
+    assert len(set(folders)) == 3, folders
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("name=../escape", "bad value for `name`"),  # met by claim_run_dir, before any folder is made
+        ("trian.steps=3", "Key 'trian' not in"),  # Hydra's own errors (also: budget=abc, arch=huge)
+    ],
+)
+def test_configuration_errors_met_by_hydra_exit_2_before_any_folder(tmp_path, override, message):
+    import subprocess
+    import sys
+
+    base = tmp_path / "base"
+    done = subprocess.run(
+        [sys.executable, "pretrain.py", "arch=tiny", "data=embedded", f"base_dir={base}", override],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    output = done.stdout + done.stderr  # once Hydra has set up logging, the message goes to stdout
+    assert done.returncode == 2, output[-2000:]
+    assert message in output and "Traceback" not in output
+    assert list(tmp_path.iterdir()) == []  # neither base_dir nor ../escape was made

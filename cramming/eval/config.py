@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from omegaconf import MISSING
 
@@ -69,9 +70,14 @@ class EvalConfig:
     """The `eval` group: which tasks, and the fine-tuning recipe (GLUE-sane by default)."""
 
     name: str = "glue-sane"
+    # GLUE-sane's eight tasks by default, of which those whose files are absent are skipped (and named in the
+    # summary); any other list names its tasks, and a named task that cannot be evaluated fails the run
     tasks: list[str] = field(default_factory=lambda: list(GLUE_SANE))
     # a local copy of GLUE in the original TSV layout (one folder per task); null reads nyu-mll/glue from the hub
     glue_dir: str | None = None
+    # a bad row of a task file (missing field, unknown label, a score that is not a number) fails the run;
+    # true: such rows are skipped, counted per task in glue_results.json (bad_rows_skipped) and logged
+    skip_bad_rows: bool = False
     epochs: int = 5
     batch_size: int = 16
     # inputs are truncated to this many tokens; batches are padded to their longest input only
@@ -96,6 +102,11 @@ class EvalConfig:
     def __post_init__(self) -> None:
         for task in self.tasks:
             check_choice("eval.tasks", task, GLUE_TASKS)
+        if self.glue_dir is not None and not Path(self.glue_dir).is_dir():
+            raise config_error(
+                "eval.glue_dir", self.glue_dir, "no such folder: point it at a local copy of GLUE in the"
+                " original TSV layout (one folder per task), or null to read nyu-mll/glue from the hub"
+            )  # fmt: skip
         for task in self.per_task:
             check_choice("eval.per_task", task, GLUE_TASKS)
         check_choice("eval.schedule", self.schedule, SCHEDULES)
@@ -109,6 +120,13 @@ class EvalConfig:
             raise config_error("eval.warmup", self.warmup, "use a fraction in [0, 1)")
         if not self.seeds:
             raise config_error("eval.seeds", self.seeds, "give at least one seed, e.g. [0] or [0,1,2,3,4]")
+
+    @property
+    def tasks_named(self) -> bool:
+        """True when eval.tasks is not the recipe's default list: the user named these tasks, so each must be
+        evaluated. (Told from the value, so a sweep or a YAML file naming tasks counts like the command line;
+        naming exactly the default eight behaves like the default.)"""
+        return tuple(self.tasks) != GLUE_SANE
 
     def for_task(self, task: str) -> tuple[int, float, int]:
         """(epochs, lr, batch_size) for `task`, after its overrides."""

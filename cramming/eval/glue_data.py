@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import logging
+import math
 from pathlib import Path
 
 import datasets
@@ -39,38 +40,68 @@ def _features(task: GlueTask) -> datasets.Features:
     return FEATURES["regression" if task.is_regression else "classification"]
 
 
-def read_tsv(path: Path, task: GlueTask) -> datasets.Dataset:
-    """One TSV file of the original GLUE layout: tab-separated, no quoting, a header unless the task says not."""
+SKIP_HINT = "fix the file, or set eval.skip_bad_rows=true to skip such rows (counted in glue_results.json)"
+
+
+def read_tsv(path: Path, task: GlueTask, bad_rows: list[str] | None = None) -> datasets.Dataset:
+    """One TSV file of the original GLUE layout: tab-separated, no quoting, a header unless the task says not.
+
+    A bad row (too few fields, a label outside the task's labels, a score that is not a number) raises
+    DataSourceError naming the file and line; with a `bad_rows` list it is skipped and described there
+    instead. A header without the task's columns always raises: no row of such a file can be read."""
     layout = task.tsv
     rows: dict[str, list] = {"text_a": [], "text_b": [], "label": []}
     with open(path, encoding="utf-8-sig", newline="") as f:  # -sig: MRPC's files start with a byte-order mark
         reader = csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE)
-        header = list(layout.columns) if layout.columns else next(reader)
+        header = list(layout.columns) if layout.columns else next(reader, [])
         missing = [c for c in (layout.text_a, layout.text_b, layout.label) if c and c not in header]
         if missing:
-            raise DataSourceError(f"{path} has no column(s) {missing}; its header is {header}")
+            raise DataSourceError(
+                f"{path}:1 has no column(s) {missing}; its header is {header}. {task.name} needs the original"
+                f" GLUE layout: a header row naming {[c for c in (layout.text_a, layout.text_b, layout.label) if c]}"
+            )
         col = {name: header.index(name) for name in (layout.text_a, layout.text_b, layout.label) if name}
         for line_no, fields in enumerate(reader, start=2 if not layout.columns else 1):
             if not fields:
                 continue
-            if len(fields) < len(header):
-                raise DataSourceError(f"{path}:{line_no} has {len(fields)} fields, expected {len(header)}")
+            try:
+                if len(fields) < len(header):
+                    raise BadRow(f"has {len(fields)} fields, expected {len(header)}")
+                label = _label(fields[col[layout.label]], task)
+            except BadRow as err:
+                if bad_rows is None:
+                    raise DataSourceError(f"{path}:{line_no} {err}: {SKIP_HINT}") from None
+                bad_rows.append(f"{path}:{line_no} {err}")
+                continue
             rows["text_a"].append(fields[col[layout.text_a]])
             rows["text_b"].append(fields[col[layout.text_b]] if layout.text_b else "")
-            rows["label"].append(_label(fields[col[layout.label]], task, f"{path}:{line_no}"))
+            rows["label"].append(label)
     return datasets.Dataset.from_dict(rows, features=_features(task))
 
 
-def _label(raw: str, task: GlueTask, where: str) -> int | float:
+class BadRow(ValueError):
+    """What is wrong with one row (read_tsv adds the file and line)."""
+
+
+def _label(raw: str, task: GlueTask) -> int | float:
     if task.is_regression:
-        return float(raw)
+        try:
+            score = float(raw)
+        except ValueError:
+            raise BadRow(f"score {raw!r} is not a number") from None
+        if not math.isfinite(score):
+            raise BadRow(f"score {raw!r} is not a finite number")
+        return score
     if raw not in task.labels:
-        raise DataSourceError(f"{where}: label {raw!r} is not one of {task.labels}")
+        raise BadRow(f"label {raw!r} is not one of {task.labels}")
     return task.labels.index(raw)
 
 
-def load_local(task: GlueTask, glue_dir: str | Path) -> datasets.DatasetDict:
-    """`train` plus the task's evaluation splits (named as in GlueTask.eval_splits) from `glue_dir/<task>/`."""
+def load_local(
+    task: GlueTask, glue_dir: str | Path, bad_rows: list[str] | None = None
+) -> datasets.DatasetDict:
+    """`train` plus the task's evaluation splits (named as in GlueTask.eval_splits) from `glue_dir/<task>/`.
+    bad_rows: see read_tsv."""
     folder = Path(glue_dir) / task.name
     files = {"train": folder / "train.tsv"} | {
         split or "dev": folder / f"{stem}.tsv" for split, stem, _ in task.eval_splits
@@ -78,7 +109,7 @@ def load_local(task: GlueTask, glue_dir: str | Path) -> datasets.DatasetDict:
     absent = [str(p) for p in files.values() if not p.exists()]
     if absent:
         raise TaskDataMissing(f"{task.name}: missing {', '.join(absent)}")
-    return datasets.DatasetDict({split: read_tsv(path, task) for split, path in files.items()})
+    return datasets.DatasetDict({split: read_tsv(path, task, bad_rows) for split, path in files.items()})
 
 
 def load_hub(task: GlueTask, cache_dir: str | Path | None = None) -> datasets.DatasetDict:
@@ -104,7 +135,11 @@ def load_hub(task: GlueTask, cache_dir: str | Path | None = None) -> datasets.Da
 
 
 def load_task(
-    task: GlueTask, glue_dir: str | Path | None, cache_dir: str | Path | None = None
+    task: GlueTask,
+    glue_dir: str | Path | None,
+    cache_dir: str | Path | None = None,
+    bad_rows: list[str] | None = None,
 ) -> datasets.DatasetDict:
-    """From `glue_dir` when given, else from the hub. Raises TaskDataMissing when the task cannot be had."""
-    return load_local(task, glue_dir) if glue_dir else load_hub(task, cache_dir)
+    """From `glue_dir` when given, else from the hub. Raises TaskDataMissing when the task's files are not
+    there, DataSourceError for a file that cannot be read (bad_rows: see read_tsv)."""
+    return load_local(task, glue_dir, bad_rows) if glue_dir else load_hub(task, cache_dir)

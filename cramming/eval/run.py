@@ -14,7 +14,7 @@ from cramming.errors import DataSourceError
 from cramming.eval.backbone import Backbone
 from cramming.eval.config import EvalRunConfig
 from cramming.eval.finetune import finetune_tasks
-from cramming.eval.glue_data import load_task
+from cramming.eval.glue_data import TaskDataMissing, load_task
 from cramming.eval.scores import glue_average, markdown_table, summarize
 from cramming.eval.tasks import GLUE_TASKS
 from cramming.impl import ImplConfig
@@ -51,6 +51,32 @@ def checkpoint_backbone(
     )
 
 
+def load_tasks(cfg: EvalRunConfig) -> tuple[list, list[str], dict[str, list[str]]]:
+    """(task, splits) of every task that can be had, the tasks skipped for lack of data, and the bad rows
+    skipped per task (eval.skip_bad_rows). A task whose files are absent is skipped only from the default
+    task list; a task the user named, or a file that does not read, raises DataSourceError."""
+    jobs, skipped, bad_rows = [], [], {}
+    for name in cfg.eval.tasks:
+        task = GLUE_TASKS[name]
+        bad = [] if cfg.eval.skip_bad_rows else None
+        try:
+            splits = load_task(task, cfg.eval.glue_dir, Path(cfg.base_dir) / "data" / "hf", bad_rows=bad)
+        except TaskDataMissing as err:
+            if cfg.eval.tasks_named:
+                raise DataSourceError(
+                    f"{err}; eval.tasks names {name}: point eval.glue_dir at a copy of GLUE that has it, or"
+                    f" leave {name} out of eval.tasks"
+                ) from err
+            log.warning("skipping a task of the default list: %s", err)
+            skipped.append(name)
+            continue
+        if bad:
+            log.warning("%s: %d bad rows skipped (eval.skip_bad_rows), e.g. %s", name, len(bad), bad[0])
+            bad_rows[name] = bad
+        jobs.append((task, splits))
+    return jobs, skipped, bad_rows
+
+
 def run_glue(
     cfg: EvalRunConfig, backbone: Backbone, run_dir: Path, clock: Callable[[], float] = time.monotonic
 ) -> dict:
@@ -58,16 +84,12 @@ def run_glue(
     run_dir.mkdir(parents=True, exist_ok=True)
     budget = BudgetClock(cfg.budget, clock) if cfg.budget is not None else None
     start = time.perf_counter()
-    jobs, skipped = [], []
-    for name in cfg.eval.tasks:
-        task = GLUE_TASKS[name]
-        try:
-            jobs.append(
-                (task, load_task(task, cfg.eval.glue_dir, cache_dir=Path(cfg.base_dir) / "data" / "hf"))
-            )
-        except DataSourceError as err:
-            log.warning("skipping a task: %s", err)
-            skipped.append(name)
+    jobs, skipped, bad_rows = load_tasks(cfg)
+    if not jobs:
+        raise DataSourceError(
+            f"no task could be evaluated: none of {', '.join(skipped)} has data in"
+            f" {cfg.eval.glue_dir or 'the hub'}; point eval.glue_dir at a copy of GLUE in the original TSV layout"
+        )
     seeds = [cfg.seed + seed for seed in cfg.eval.seeds]
     glue = finetune_tasks(jobs, backbone, cfg.eval, cfg.impl, seeds, budget)
     scores = summarize(glue.per_entry)
@@ -85,13 +107,19 @@ def run_glue(
         "glue_average": average,
         "average_entries": used,
         "skipped_no_data": skipped,
+        "bad_rows_skipped": {task: len(rows) for task, rows in bad_rows.items()},
         "not_run_budget": glue.not_run,
         "seconds": time.perf_counter() - start,
     }  # fmt: skip
     atomic_write_text(run_dir / RESULTS_JSON, json.dumps(report, indent=2) + "\n")
+    if bad_rows:
+        counts = ", ".join(f"{task} {len(rows)}" for task, rows in bad_rows.items())
+        table += f"Bad rows skipped (eval.skip_bad_rows): {counts}.\n"
     header = f"# GLUE: {source}\n\nOptimizer `{cfg.eval.optim.name}`, recipe `{cfg.eval.name}`.\n\n"
     atomic_write_text(run_dir / RESULTS_TABLE, header + table)
     log.info("GLUE results:\n%s", table)
+    if skipped:
+        log.warning("skipped for lack of data (not named in eval.tasks): %s", ", ".join(skipped))
     if glue.not_run:
         log.warning("the eval budget ran out before: %s", ", ".join(glue.not_run))
     return report

@@ -15,6 +15,9 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -23,6 +26,7 @@ from safetensors.torch import load_model, save_model
 from tokenizers import Tokenizer
 from torch import nn
 
+from cramming.errors import ConfigError
 from cramming.model.bert import BertForMLM
 from cramming.model.build import build_model
 from cramming.model.config import ArchConfig
@@ -54,9 +58,22 @@ def save_pretrained(
     Written into a sibling temporary folder first and renamed, so a reader never finds half a checkpoint.
     """
     directory = Path(directory)
-    partial = directory.with_name(f".{directory.name}.partial")
-    shutil.rmtree(partial, ignore_errors=True)
-    partial.mkdir(parents=True)
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    # a temporary folder of this call's own: two saves into the same place never write into each other
+    partial = Path(tempfile.mkdtemp(dir=directory.parent, prefix=f".{directory.name}.", suffix=".partial"))
+    partial.chmod(0o755)  # mkdtemp's folder is private (0700); a checkpoint is read by others too
+    try:
+        _write_checkpoint(model, partial, tokenizer, seq_length=seq_length, special=special, info=info)
+        shutil.rmtree(directory, ignore_errors=True)
+        os.replace(partial, directory)
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
+    return directory
+
+
+def _write_checkpoint(
+    model: nn.Module, partial: Path, tokenizer: Tokenizer, *, seq_length: int, special: Any, info: dict
+) -> None:
     plain = unwrap(model)
     save_model(plain, str(partial / WEIGHTS))  # drops the tied duplicate, keeps one name for it
     config = {
@@ -69,9 +86,10 @@ def save_pretrained(
     }
     (partial / MODEL_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
     tokenizer.save(str(partial / TOKENIZER))
-    shutil.rmtree(directory, ignore_errors=True)
-    os.replace(partial, directory)
-    return directory
+
+
+class CheckpointUnreadable(ConfigError):
+    """A checkpoint's files are there but do not load (truncated, or not what they claim to be)."""
 
 
 @dataclass
@@ -108,8 +126,26 @@ def load_pretrained(path_or_name: str | Path, base_dir: str | Path = "outputs", 
     """Rebuild the model of a checkpoint with its weights. build_kwargs go to build_model (device,
     attention, layernorm, strict_kernels, dropout: None means the arch's fine-tuning dropout)."""
     directory = resolve_checkpoint(path_or_name, base_dir)
-    config = json.loads((directory / MODEL_CONFIG).read_text())
-    arch = ArchConfig(**config["arch"])
+    with _naming(directory / MODEL_CONFIG):
+        config = json.loads((directory / MODEL_CONFIG).read_text())
+        arch = ArchConfig(**config["arch"])
     model = build_model(arch, config["vocab_size"], **build_kwargs)
-    load_model(model, str(directory / WEIGHTS), device=str(next(model.parameters()).device))
-    return Pretrained(model, Tokenizer.from_file(str(directory / TOKENIZER)), config, directory)
+    with _naming(directory / WEIGHTS):
+        load_model(model, str(directory / WEIGHTS), device=str(next(model.parameters()).device))
+    with _naming(directory / TOKENIZER):
+        tokenizer = Tokenizer.from_file(str(directory / TOKENIZER))
+    return Pretrained(model, tokenizer, config, directory)
+
+
+@contextmanager
+def _naming(path: Path) -> Iterator[None]:
+    """Turn a failure to read `path` (SafetensorError, JSONDecodeError, a missing key, ...) into a
+    CheckpointUnreadable that names the file and the fix."""
+    try:
+        yield
+    except Exception as err:
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise CheckpointUnreadable(
+            f"{path} does not load ({type(err).__name__}: {reason}): the checkpoint is damaged or incomplete"
+            f" (a copy cut short?). Copy the run folder again, or evaluate another run"
+        ) from err

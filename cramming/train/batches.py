@@ -96,6 +96,9 @@ def microbatches(
         pin_memory=pin_memory,
         persistent_workers=num_workers > 0,
         prefetch_factor=4 if num_workers > 0 else None,
+        # its own generator: iterating a DataLoader draws a worker base seed, which from the global RNG would
+        # shift the dropout stream by when the loader starts (a resumed run starts it after the restore)
+        generator=torch.Generator().manual_seed(seed),
     )
 
 

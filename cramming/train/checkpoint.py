@@ -1,30 +1,98 @@
 """Resumable pretraining state on disk: {run_dir}/state.pt (model, optimizer, scaler, progress, data
 position, RNG, elapsed budget), written atomically every train.checkpoint_every_min, on SIGINT/SIGTERM and at
-the end. The final model itself is written by cramming.model.checkpoint.save_pretrained.
+the end. The state before it is kept as {run_dir}/state.prev.pt, so a newest state that does not load (a
+truncated file, a full disk) falls back to the one before. The final model itself is written by
+cramming.model.checkpoint.save_pretrained.
 """
 
 from __future__ import annotations
 
+import logging
+import os
+import shutil
 from pathlib import Path
 
 import torch
 
-from cramming.utils import atomic_torch_save, newest_run_dir
+from cramming.errors import ConfigError
+from cramming.utils import atomic_file, newest_run_dir
+
+log = logging.getLogger("cramming")
 
 STATE = "state.pt"
+PREVIOUS = "state.prev.pt"
+
+
+class StateUnreadable(ConfigError):
+    """No resumable state of the run loads; the message names the files and what to do."""
 
 
 def save_state(path: str | Path, state: dict) -> None:
-    """Atomically write a resumable state (plain containers of tensors and numbers only)."""
-    atomic_torch_save(state, path)
+    """Write a resumable state (plain containers of tensors and numbers only), keeping the previous one as
+    state.prev.pt. Every step is a rename or a hard link, so at any moment both names hold complete files:
+    the new state is written to a temporary file, the current one is linked to state.prev.pt, then the new
+    one replaces it."""
+    path = Path(path)
+    staged = path.with_name(f".{path.name}.{os.getpid()}.next")  # the complete new state, not yet in place
+    try:
+        with atomic_file(staged) as f:
+            torch.save(state, f)
+        if path.exists():
+            _replace_with_copy(path, path.with_name(PREVIOUS))
+        os.replace(staged, path)
+    finally:
+        staged.unlink(missing_ok=True)
+
+
+def _replace_with_copy(source: Path, target: Path) -> None:
+    """Atomically make `target` a copy of `source` (a hard link where the file system has them)."""
+    temporary = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    temporary.unlink(missing_ok=True)
+    try:
+        os.link(source, temporary)
+    except OSError:  # no hard links here (some network file systems)
+        shutil.copyfile(source, temporary)
+    os.replace(temporary, target)
 
 
 def load_state(path: str | Path) -> dict:
-    # weights_only: a state file cannot run code when loaded; optimizers must keep their state to tensors
-    return torch.load(path, map_location="cpu", weights_only=True)
+    """One state file. Raises StateUnreadable naming the file when it does not load (truncated, not a state,
+    or a pickle payload that weights_only refuses: a state file cannot run code when loaded)."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # PytorchStreamReader errors, UnpicklingError, EOFError, ...: one clear message
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise StateUnreadable(f"{path} does not load as a resumable state ({reason})") from err
+    if not isinstance(state, dict) or "version" not in state:
+        raise StateUnreadable(f"{path} does not load as a resumable state (not a state dictionary)")
+    return state
 
 
 def find_resumable_state(base_dir: str | Path, name: str) -> Path | None:
-    """state.pt of the newest run folder of `name` that has one."""
-    run_dir = newest_run_dir(base_dir, name, STATE)
-    return None if run_dir is None else run_dir / STATE
+    """state.pt (or only state.prev.pt) of the newest run folder of `name` that has one."""
+    run_dir = newest_run_dir(base_dir, name, STATE) or newest_run_dir(base_dir, name, PREVIOUS)
+    if run_dir is None:
+        return None
+    return run_dir / STATE if (run_dir / STATE).exists() else run_dir / PREVIOUS
+
+
+def load_newest_state(path: Path) -> tuple[Path, dict]:
+    """The state at `path`, or when it does not load the state.prev.pt beside it, with a warning naming both.
+    Raises StateUnreadable (a ConfigError: exit 2) when neither loads."""
+    candidates = [path] + ([path.with_name(PREVIOUS)] if path.name == STATE else [])
+    failures = []
+    for candidate in candidates:
+        if not candidate.exists():
+            continue
+        try:
+            state = load_state(candidate)
+        except StateUnreadable as err:
+            failures.append(str(err))
+            continue
+        if failures:
+            log.warning("%s; resuming from the previous state %s instead", "; ".join(failures), candidate)
+        return candidate, state
+    raise StateUnreadable(
+        f"{'; '.join(failures)}. No resumable state of this run loads: start afresh with resume=false (or a new"
+        f" `name`), or remove {path.parent} to resume an older run of the same name"
+    )

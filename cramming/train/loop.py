@@ -110,6 +110,7 @@ class Run:
     batches: Iterator[tuple[torch.Tensor, torch.Tensor]] | None = None  # (stream rows, input_ids)
     window: Window = field(default_factory=Window)
     last_save: float = 0.0  # budget seconds at the last resumable state
+    elapsed_before: float = 0.0  # budget seconds the resumed state had spent (0 for a fresh run)
     signals: StopSignals | None = None
     metrics_file: Path | None = None  # None: no metrics written (ranks other than 0)
     ranks: distributed.Ranks = field(default_factory=distributed.Ranks)  # a single process by default
@@ -129,6 +130,7 @@ class TrainResult:
     elapsed: float  # seconds of budget spent in all parts of the run
     checkpoint: Path | None  # the final model; None when interrupted
     validation: dict | None
+    elapsed_before: float = 0.0  # of `elapsed`, the part spent before a resume (by the runs resumed from)
 
 
 # ---------------------------------------------------------------------------------------------------- set-up
@@ -143,8 +145,11 @@ def set_up(
 ) -> Run:
     ranks = distributed.init_from_env(cfg.impl)  # under torchrun: its process group; else a single process
     run_dir.mkdir(parents=True, exist_ok=True)
+    loading = clock()
     state = load_resume_state(cfg)
-    budget = distributed.budget_clock(ranks, cfg.budget, clock, state["elapsed"] if state else 0.0)
+    # reading the state is part of this run's set-up, on the budget; the downtime before it is not
+    spent = (state["elapsed"] if state else 0.0) + clock() - loading
+    budget = distributed.budget_clock(ranks, cfg.budget, clock, spent)
     dtype = cfg.impl.compute_dtype(ranks.device)
     configure_torch(cfg, ranks.device)
     model = build_model(
@@ -179,6 +184,7 @@ def set_up(
     )
     if state:
         restore(run, state)
+        run.elapsed_before = state["elapsed"]
     run.last_save = budget.elapsed()
     open_reporting(run, hooks)
     if cfg.impl.compile_on(ranks.device):
@@ -331,7 +337,9 @@ def check_stop(run: Run) -> str | None:
 
 def run_update(run: Run) -> str | None:
     """Accumulate the micro-batches of one update and apply it. Returns a stop reason that came up on the way;
-    an update cut short by it is dropped (its rows are trained on again after a resume)."""
+    an update cut short by it is dropped: its gradients are zeroed, its rows are trained on again after a
+    resume and the RNG is rewound to where the update began, so the state saved next is that of the last
+    completed update and a resumed run draws the same dropout masks as an uninterrupted one."""
     # mb: rows of one micro-batch over all ranks; batch_size counts global sequences per update
     train_cfg, mb = run.cfg.train, run.microbatch_size * run.ranks.world_size
     accumulate = accumulation_steps(
@@ -343,6 +351,7 @@ def run_update(run: Run) -> str | None:
     correct = torch.zeros((), device=run.device)
     predicted = torch.zeros((), device=run.device)
     reason, done = None, 0
+    rng = rng_state()
     while done < accumulate and reason is None:
         # several ranks reduce gradients once per update: after its last micro-batch
         with distributed.grad_sync(run.step_model, run.ranks, sync=done + 1 == accumulate):
@@ -355,6 +364,7 @@ def run_update(run: Run) -> str | None:
         reason = check_stop(run)
     if done < accumulate:
         run.optimizer.zero_grad(set_to_none=True)
+        set_rng_state(rng)
         return reason
     run.progress.rows += accumulate * mb  # consumed, whether applied or skipped as non-finite
     # several ranks: the mean loss over all of them (so all skip a non-finite update), summed counts
@@ -519,10 +529,7 @@ def save_resumable_state(run: Run) -> None:
         "step": run.step.state_dict(),
         "progress": asdict(run.progress),
         "elapsed": elapsed,
-        "rng": {
-            "torch": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-        },
+        "rng": rng_state(),
         "arch": asdict(run.cfg.arch),
         "data_path": str(run.data.path),
     }
@@ -547,7 +554,7 @@ def load_resume_state(cfg: PretrainConfig) -> dict | None:
             f"resume=true but no run named {cfg.name!r} under {cfg.base_dir} left a resumable state"
             f" ({checkpoint.STATE}); check `name` and `base_dir`, or start afresh with resume=false"
         )
-    state = checkpoint.load_state(path)
+    path, state = checkpoint.load_newest_state(path)  # falls back to state.prev.pt, with a warning
     if state.get("version") != STATE_VERSION:
         raise ConfigError(f"{path} has state version {state.get('version')}, this code reads {STATE_VERSION}")
     log.info(
@@ -573,9 +580,21 @@ def restore(run: Run, state: dict) -> None:
     run.progress = Progress(**state["progress"])
     run.step.stats.skipped = run.progress.skipped
     run.step.stats.skipped_in_a_row = run.progress.skipped_in_a_row
-    torch.set_rng_state(state["rng"]["torch"])
-    if state["rng"]["cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["rng"]["cuda"])
+    set_rng_state(state["rng"])
+
+
+def rng_state() -> dict:
+    """The torch RNG streams (dropout draws from them; masks do not: they are keyed by stream row)."""
+    return {
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+    }
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 def finish(run: Run, reason: str) -> TrainResult:
@@ -587,7 +606,7 @@ def finish(run: Run, reason: str) -> TrainResult:
     if reason in ("SIGINT", "SIGTERM"):
         distributed.barrier(run.ranks)  # every rank returns once rank 0's state is on disk
         close_reporting(run, final=False)
-        return TrainResult(run.run_dir, reason, run.progress, elapsed, None, None)
+        return TrainResult(run.run_dir, reason, run.progress, elapsed, None, None, run.elapsed_before)
     validation = evaluate(run)  # on every rank: FSDP2's forward is collective
     info = {"updates": run.progress.updates, "elapsed_h": elapsed / 3600, "stop_reason": reason}
     if validation:
@@ -611,7 +630,7 @@ def finish(run: Run, reason: str) -> TrainResult:
         log.info("final model saved to %s", path)
     distributed.barrier(run.ranks)  # every rank returns once the checkpoint is on disk
     close_reporting(run, final=True)
-    return TrainResult(run.run_dir, reason, run.progress, elapsed, path, validation)
+    return TrainResult(run.run_dir, reason, run.progress, elapsed, path, validation, run.elapsed_before)
 
 
 @torch.no_grad()
