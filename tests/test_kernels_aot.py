@@ -21,7 +21,10 @@ REPO = Path(__file__).resolve().parent.parent
 
 @pytest.mark.slow
 def test_every_kernel_compiles_without_spills_within_shared_memory(tmp_path):
-    if importlib.util.find_spec("triton") is None or importlib.util.find_spec("triton.backends.nvidia") is None:
+    if (
+        importlib.util.find_spec("triton") is None
+        or importlib.util.find_spec("triton.backends.nvidia") is None
+    ):
         pytest.skip("this triton has no NVIDIA backend")
     out = tmp_path / "aot.md"
     env = {**os.environ, "TRITON_INTERPRET": "0"}  # the interpreter would replace the JIT functions
