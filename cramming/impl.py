@@ -19,6 +19,8 @@ PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 ATTENTIONS = ("sdpa", "eager", "triton")
 LAYERNORMS = ("torch", "triton")
+FFN_ACTIVATIONS = ("torch", "triton")
+LOSSES = ("torch", "triton")
 PARALLELISMS = ("ddp", "fsdp2")
 
 
@@ -33,6 +35,10 @@ class ImplConfig:
     compile: Any = "auto"
     attention: str = "sdpa"
     layernorm: str = "torch"
+    # the gated FFN's gate * gelu(value) (arch.ffn=glu only): PyTorch, or one fused Triton kernel each way
+    ffn_activation: str = "torch"
+    # the MLM cross-entropy: PyTorch on an fp32 copy of the logits, or the Triton kernel reading them as they are
+    loss: str = "torch"
     # fail instead of falling back to PyTorch when a Triton kernel cannot launch
     strict_kernels: bool = False
     # sequences per forward/backward pass; the recipe's batch size is reached by accumulation. auto: searched
@@ -57,6 +63,8 @@ class ImplConfig:
         check_choice("impl.precision", self.precision, PRECISIONS)
         check_choice("impl.attention", self.attention, ATTENTIONS)
         check_choice("impl.layernorm", self.layernorm, LAYERNORMS)
+        check_choice("impl.ffn_activation", self.ffn_activation, FFN_ACTIVATIONS)
+        check_choice("impl.loss", self.loss, LOSSES)
         check_choice("impl.distributed", self.distributed, PARALLELISMS)
         if isinstance(self.microbatch_size, str) and self.microbatch_size.isdigit():
             self.microbatch_size = int(self.microbatch_size)
