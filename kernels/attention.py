@@ -445,13 +445,14 @@ def attention_tiles(
         return AttentionBlocks(small, small, warps, 16, small, 4, 16, small, warps, stages=2)
     big = head_dim > 64
     # Measured with scripts/aot_check.py (results/kernels-aot.md), the widest tiles that do not spill:
-    # Ampere/Ada (64K registers, operands of mma in registers) takes 16 query rows per dK/dV step, Hopper
-    # 32, and the fused-dQ path holds too much with dropout on Ampere/Ada, so it goes to the dQ kernel.
+    # Ampere/Ada (operands of mma in registers, not shared memory as Hopper's wgmma) needs 8 warps for a
+    # 128-row forward tile (4 spill with triton 3.6 on sm_86/89), 16 query rows per dK/dV step (Hopper 32),
+    # and with dropout the fused-dQ path holds too much there, so it goes to the dQ kernel.
     hopper = cc is None or cc >= (9, 0)
     return AttentionBlocks(
         fwd_m=min(64 if big and dropout else 128, cap),
         fwd_n=min(64, cap),
-        fwd_warps=8 if big or dropout else 4,
+        fwd_warps=8 if big or dropout or not hopper else 4,
         bwd_m=min(32 if hopper else 16, cap),
         bwd_n=min(64 if big or (dropout and not hopper) else 128, cap),
         bwd_warps=8,

@@ -182,6 +182,7 @@ def attention_launches(dtype: str, cc: int) -> Iterator[Compile]:
 
 def layer_norm_launches(dtype: str, cc: int) -> Iterator[Compile]:
     import torch
+    import triton
 
     from cramming.kernels import layernorm as L
 
@@ -193,8 +194,11 @@ def layer_norm_launches(dtype: str, cc: int) -> Iterator[Compile]:
         stats = torch.empty(4, dtype=torch.float32)
         for has_bias in (False, True):
             shape = f"hidden {width}" + (", bias" if has_bias else "")
-            common = dict(X=x, W=weight, B=weight, Y=x, DX=x, DY=x, MEAN=stats, RSTD=stats, M=4096 * 128)
-            common.update(sx_m=width, sdy_m=width, N=width, eps=1e-12, rows_per_program=block_m * 64)
+            # 128 x 128 rows, split over 4 programs per SM of a 132-SM H100 as the backward's launcher does
+            rows = 128 * 128
+            rows_per_program = block_m * triton.cdiv(triton.cdiv(rows, 4 * 132), block_m)
+            common = dict(X=x, W=weight, B=weight, Y=x, DX=x, DY=x, MEAN=stats, RSTD=stats, M=rows)
+            common.update(sx_m=width, sdy_m=width, N=width, eps=1e-12, rows_per_program=rows_per_program)
             common.update(DW_PART=stats, DB_PART=stats)
             constexprs = dict(HAS_BIAS=has_bias, BLOCK_M=block_m, BLOCK_N=block_n)
             for name, fn in (
@@ -451,7 +455,7 @@ def gpu_comparison(aot: list[Result]) -> str:
                     out = A.flash_attention(q, k, v, mask, dropout)
                     out.transpose(1, 2).reshape(2, seq, hidden).sum().backward()
     for width in HIDDENS:
-        x = torch.randn(256, width, device=device, dtype=dtype, requires_grad=True)
+        x = torch.randn(128 * 128, width, device=device, dtype=dtype, requires_grad=True)
         weight = torch.ones(width, device=device, requires_grad=True)
         for bias in (None, torch.zeros(width, device=device, requires_grad=True)):
             L.layer_norm(x, weight, bias).sum().backward()
