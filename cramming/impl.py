@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from cramming.errors import check_choice, config_error
-from cramming.model.ops import ATTENTION, LAYERNORM
+from cramming.model.ops import ATTENTION, FFN_ACTIVATION, LAYERNORM, LOSS
 
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -30,6 +30,10 @@ class ImplConfig:
     compile: Any = "auto"
     attention: str = "sdpa"
     layernorm: str = "torch"
+    # the gated FFN's gate * gelu(value) (arch.ffn=glu only): PyTorch, or one fused Triton kernel each way
+    ffn_activation: str = "torch"
+    # the MLM cross-entropy: PyTorch on an fp32 copy of the logits, or the Triton kernel reading them as they are
+    loss: str = "torch"
     # fail instead of falling back to PyTorch when a Triton kernel cannot launch
     strict_kernels: bool = False
     # sequences per forward/backward pass; the recipe's batch size is reached by accumulation. auto: searched
@@ -56,6 +60,8 @@ class ImplConfig:
         check_choice("impl.layernorm", self.layernorm, LAYERNORM)
         # impl.distributed is checked against the parallelism registry by PretrainConfig (cramming/config.py):
         # this low-level module does not import the training stack
+        check_choice("impl.ffn_activation", self.ffn_activation, FFN_ACTIVATION)
+        check_choice("impl.loss", self.loss, LOSS)
         if isinstance(self.microbatch_size, str) and self.microbatch_size.isdigit():
             self.microbatch_size = int(self.microbatch_size)
         if self.microbatch_size != "auto" and (
@@ -82,6 +88,16 @@ class ImplConfig:
     @property
     def preprocessing_procs(self) -> int:
         return self.num_proc or os.cpu_count() or 1
+
+    def kernel_choices(self) -> dict:
+        """The backend settings build_model takes (attention, layernorm, ffn_activation, loss, strict)."""
+        return {
+            "attention": self.attention,
+            "layernorm": self.layernorm,
+            "ffn_activation": self.ffn_activation,
+            "loss": self.loss,
+            "strict_kernels": self.strict_kernels,
+        }
 
     def apply_threads(self) -> None:
         """impl.cpu_threads for this process's PyTorch (every entry point calls this; no-op when unset)."""

@@ -414,7 +414,7 @@ def _dropout_keep_mask_kernel(
 
 @dataclass(frozen=True)
 class AttentionBlocks:
-    """Tile sizes and warps of the kernels; `_pick_blocks` chooses them from the shape."""
+    """Tile sizes, warps and pipeline stages of the kernels; `attention_tiles` chooses them."""
 
     fwd_m: int = 128
     fwd_n: int = 64
@@ -428,24 +428,47 @@ class AttentionBlocks:
     stages: int = 2
 
 
-def _pick_blocks(seq: int, head_dim: int) -> AttentionBlocks:
-    # Untuned first guess for H100-class GPUs (scripts/bench_kernels.py --sweep measures alternatives).
-    # No block is wider than the sequence rounded up to a power of two (at least 16, the tl.dot minimum),
-    # so seq 128 is a single key block and the backward takes the fused dQ path.
+def attention_tiles(
+    seq: int, head_dim: int, dtype: torch.dtype, cc: tuple[int, int] | None, dropout: bool
+) -> AttentionBlocks:
+    """The tiles the launcher uses for one call; `scripts/aot_check.py` compiles exactly these.
+
+    cc: the CUDA compute capability, e.g. (8, 6); None in the interpreter, which has no registers to run
+    out of and pays per program: the sm_90 choice, whatever the dtype. No block is wider than the sequence
+    rounded up to a power of two (at least 16, the tl.dot minimum), so seq 128 at head_dim 64 is a single
+    key block and the backward takes the fused dQ path (except with dropout on Ampere/Ada).
+    """
     cap = max(16, triton.next_power_of_2(seq))
+    if dtype == torch.float32 and cc is not None:
+        # fp32 is for tests: IEEE dots on fp32 operands take twice the registers and shared memory of bf16
+        small, warps = min(32, cap), 8 if head_dim > 64 else 4
+        return AttentionBlocks(small, small, warps, 16, small, 4, 16, small, warps, stages=2)
     big = head_dim > 64
+    # Measured with scripts/aot_check.py (results/kernels-aot.md), the widest tiles that do not spill:
+    # Ampere/Ada (operands of mma in registers, not shared memory as Hopper's wgmma) needs 8 warps for a
+    # 128-row forward tile (4 spill with triton 3.6 on sm_86/89), 16 query rows per dK/dV step (Hopper 32),
+    # and with dropout the fused-dQ path holds too much there, so it goes to the dQ kernel.
+    hopper = cc is None or cc >= (9, 0)
     return AttentionBlocks(
-        fwd_m=min(128, cap),
+        fwd_m=min(64 if big and dropout else 128, cap),
         fwd_n=min(64, cap),
-        fwd_warps=8 if big else 4,
-        bwd_m=min(32 if big else 64, cap),
-        bwd_n=min(64 if big else 128, cap),
+        fwd_warps=8 if big or dropout or not hopper else 4,
+        bwd_m=min(32 if hopper else 16, cap),
+        bwd_n=min(64 if big or (dropout and not hopper) else 128, cap),
         bwd_warps=8,
         dq_m=min(64, cap),
-        dq_n=min(64, cap),
-        dq_warps=8 if big else 4,
+        dq_n=min(32 if big or dropout else 64, cap),
+        dq_warps=4,
         stages=2,
     )
+
+
+def block_d(head_dim: int) -> int:
+    """The head dimension padded to a power of two, at least 16 (the tl.dot minimum)."""
+    return max(16, triton.next_power_of_2(head_dim))
+
+
+PREPROCESS_BLOCK_M = 64  # query rows per program of the backward's preprocess kernel
 
 
 def _strides(t: torch.Tensor) -> tuple[int, int, int]:
@@ -483,7 +506,7 @@ def _attention_forward(q, k, v, kpm, dropout_p, seed, sm_scale, blocks):
         kpm.stride(0) if kpm is not None else 0,
         heads, seq, head_dim, sm_scale * LOG2E, dropout_p, int(seed.item()),
         HAS_KPM=kpm is not None, DROPOUT=dropout_p > 0.0, IEEE=q.dtype == torch.float32,
-        BLOCK_M=tiles.fwd_m, BLOCK_N=tiles.fwd_n, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+        BLOCK_M=tiles.fwd_m, BLOCK_N=tiles.fwd_n, BLOCK_D=block_d(head_dim),
         num_warps=tiles.fwd_warps, num_stages=tiles.stages,
     )  # fmt: skip
     return out, lse
@@ -504,17 +527,20 @@ def _(q, k, v, kpm, dropout_p, seed, sm_scale, blocks):
 def _attention_backward(do, q, k, v, out, lse, kpm, dropout_p, seed, sm_scale, blocks):
     batch, heads, seq, head_dim = q.shape
     tiles = AttentionBlocks(*blocks)
-    block_d = max(16, triton.next_power_of_2(head_dim))
     seed = int(seed.item())
     do = _last_dim_contiguous(do)
     delta = torch.empty_like(lse)
-    _attention_bwd_preprocess_kernel[(triton.cdiv(seq, 64), batch * heads)](
-        out, do, delta, *_strides(out), *_strides(do), heads, seq, head_dim, BLOCK_M=64, BLOCK_D=block_d
-    )
+    _attention_bwd_preprocess_kernel[(triton.cdiv(seq, PREPROCESS_BLOCK_M), batch * heads)](
+        out, do, delta, *_strides(out), *_strides(do), heads, seq, head_dim,
+        BLOCK_M=PREPROCESS_BLOCK_M, BLOCK_D=block_d(head_dim),
+    )  # fmt: skip
     dq, dk, dv = _new_bhsd(q), _new_bhsd(q), _new_bhsd(q)
     fused_dq = seq <= tiles.bwd_n
     common = dict(
-        HAS_KPM=kpm is not None, DROPOUT=dropout_p > 0.0, IEEE=q.dtype == torch.float32, BLOCK_D=block_d
+        HAS_KPM=kpm is not None,
+        DROPOUT=dropout_p > 0.0,
+        IEEE=q.dtype == torch.float32,
+        BLOCK_D=block_d(head_dim),
     )
     kpm_arg = kpm if kpm is not None else q
     kpm_stride = kpm.stride(0) if kpm is not None else 0
@@ -549,7 +575,10 @@ class _FlashAttention(torch.autograd.Function):
         q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
         kpm = None if key_padding_mask is None else key_padding_mask.to(torch.uint8).contiguous()
         seed = draw_dropout_seed() if dropout_p > 0.0 else torch.zeros(1, dtype=torch.int64)
-        blocks = list(astuple(blocks or _pick_blocks(q.shape[2], q.shape[3])))
+        if blocks is None:
+            cc = torch.cuda.get_device_capability(q.device) if q.is_cuda else None
+            blocks = attention_tiles(q.shape[2], q.shape[3], q.dtype, cc, dropout_p > 0.0)
+        blocks = list(astuple(blocks))
         out, lse = _attention_forward(q, k, v, kpm, dropout_p, seed, sm_scale, blocks)
         ctx.save_for_backward(q, k, v, out, lse, kpm, seed)
         ctx.args = (dropout_p, sm_scale, blocks)

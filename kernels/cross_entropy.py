@@ -83,8 +83,9 @@ def _cross_entropy_bwd_kernel(
 # Launchers
 
 
-def _block_v(vocab: int) -> int:
-    return min(4096, max(16, triton.next_power_of_2(vocab)))
+def cross_entropy_tiles(vocab: int) -> tuple[int, int]:
+    """(vocabulary columns per step, warps) of both kernels; `scripts/aot_check.py` compiles these."""
+    return min(4096, max(16, triton.next_power_of_2(vocab))), 8
 
 
 # The launchers are torch.library custom ops: torch.compile sees each as one opaque call with the shapes
@@ -99,6 +100,7 @@ def _cross_entropy_forward(logits, labels, ignore_index):
     rows, vocab = logits.shape
     loss_rows = torch.empty(rows, device=logits.device, dtype=torch.float32)
     lse = torch.empty(rows, device=logits.device, dtype=torch.float32)
+    block_v, warps = cross_entropy_tiles(vocab)
     _cross_entropy_fwd_kernel[(rows,)](
         logits,
         labels,
@@ -107,8 +109,8 @@ def _cross_entropy_forward(logits, labels, ignore_index):
         logits.stride(0),
         vocab,
         ignore_index,
-        BLOCK_V=_block_v(vocab),
-        num_warps=8,
+        BLOCK_V=block_v,
+        num_warps=warps,
     )
     return loss_rows, lse
 
@@ -127,9 +129,10 @@ def _(logits, labels, ignore_index):
 def _cross_entropy_backward(logits, labels, lse, scale, ignore_index):
     rows, vocab = logits.shape
     dlogits = torch.empty(rows, vocab, device=logits.device, dtype=logits.dtype)
+    block_v, warps = cross_entropy_tiles(vocab)
     _cross_entropy_bwd_kernel[(rows,)](
         logits, labels, lse, scale, dlogits, logits.stride(0), vocab, ignore_index,
-        BLOCK_V=_block_v(vocab), num_warps=8,
+        BLOCK_V=block_v, num_warps=warps,
     )  # fmt: skip
     return dlogits
 

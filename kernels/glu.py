@@ -64,8 +64,10 @@ def _glu_bwd_kernel(
 # Launchers
 
 
-def _block(width: int) -> int:
-    return min(1024, max(16, triton.next_power_of_2(width)))
+def glu_tiles(width: int) -> tuple[int, int]:
+    """(columns per program, warps) of both kernels for an output of `width` columns; `scripts/aot_check.py`
+    compiles these."""
+    return min(1024, max(16, triton.next_power_of_2(width))), 4
 
 
 # The launchers are torch.library custom ops: torch.compile sees each as one opaque call with the shapes
@@ -74,8 +76,10 @@ def _block(width: int) -> int:
 def _glu_forward(h2d):
     rows, width = h2d.shape[0], h2d.shape[1] // 2
     y = torch.empty(rows, width, device=h2d.device, dtype=h2d.dtype)
-    block = _block(width)
-    _glu_fwd_kernel[(rows, triton.cdiv(width, block))](h2d, y, h2d.stride(0), width, BLOCK=block, num_warps=4)
+    block, warps = glu_tiles(width)
+    _glu_fwd_kernel[(rows, triton.cdiv(width, block))](
+        h2d, y, h2d.stride(0), width, BLOCK=block, num_warps=warps
+    )
     return y
 
 
@@ -90,9 +94,9 @@ def _(h2d):
 def _glu_backward(dy2d, h2d):
     rows, width = dy2d.shape
     dh = torch.empty(rows, 2 * width, device=h2d.device, dtype=h2d.dtype)
-    block = _block(width)
+    block, warps = glu_tiles(width)
     _glu_bwd_kernel[(rows, triton.cdiv(width, block))](
-        h2d, dy2d, dh, h2d.stride(0), dy2d.stride(0), width, BLOCK=block, num_warps=4
+        h2d, dy2d, dh, h2d.stride(0), dy2d.stride(0), width, BLOCK=block, num_warps=warps
     )
     return dh
 

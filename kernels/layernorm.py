@@ -108,17 +108,22 @@ def _layer_norm_bwd_kernel(
 # Launchers
 
 
-def _tiles(width: int, device: torch.device, rows_per_tile: int | None = None) -> tuple[int, int, int]:
-    """(rows per tile, padded row width, warps). On a GPU, tiles of about 4096 elements (16 fp32 registers
-    a thread at 8 warps); in the interpreter, where every program costs milliseconds, as many rows as fit
-    in 16384 elements."""
+def layer_norm_tiles(width: int, on_gpu: bool) -> tuple[int, int, int]:
+    """(rows per tile, padded row width, warps) of both kernels; `scripts/aot_check.py` compiles these.
+
+    On a GPU, tiles of about 4096 elements (16 fp32 registers a thread at 8 warps); in the interpreter,
+    where every program costs milliseconds, as many rows as fit in 16384 elements."""
     block_n = triton.next_power_of_2(width)
-    if rows_per_tile is not None:  # tests force small tiles to exercise the loops
-        return rows_per_tile, block_n, 4
-    if device.type != "cuda":
+    if not on_gpu:
         return max(1, 16384 // block_n), block_n, 4
     block_m = max(1, min(16, 4096 // block_n))
     return block_m, block_n, min(16, max(4, block_m * block_n // 512))
+
+
+def _tiles(width: int, device: torch.device, rows_per_tile: int | None) -> tuple[int, int, int]:
+    if rows_per_tile is not None:  # tests force small tiles to exercise the loops
+        return rows_per_tile, triton.next_power_of_2(width), 4
+    return layer_norm_tiles(width, device.type == "cuda")
 
 
 # The launchers are torch.library custom ops: torch.compile sees each as one opaque call with the shapes

@@ -171,14 +171,15 @@ def bench_attention(seq: int, args) -> list[Row]:
 
 def sweep_attention(seq: int, args) -> list[list[str]]:
     """Forward + backward time of a few tile configurations (no mask), best first."""
-    from cramming.kernels.attention import _FlashAttention, _pick_blocks
+    from cramming.kernels.attention import _FlashAttention, attention_tiles
 
     shape = (args.batch, args.heads, seq, args.head_dim)
     q, k, v = (
         torch.randn(shape, device=DEVICE, dtype=args.torch_dtype, requires_grad=True) for _ in range(3)
     )
     do = torch.randn_like(q)
-    base = _pick_blocks(seq, args.head_dim)
+    cc = torch.cuda.get_device_capability() if CUDA else None
+    base = attention_tiles(seq, args.head_dim, args.torch_dtype, cc, dropout=False)
     cap = max(16, 1 << (seq - 1).bit_length())
     candidates = [base]
     for fwd_m, fwd_n, warps in ((64, 64, 4), (128, 64, 8), (128, 128, 8)):

@@ -151,8 +151,9 @@ def build_ours(
     arch: ArchConfig, vocab: int, args: argparse.Namespace, device: torch.device, dtype
 ) -> Candidate:
     model = build_model(
-        arch, vocab, device=device, attention=args.attention, layernorm=args.layernorm, dropout=0.0
-    )
+        arch, vocab, device=device, attention=args.attention, layernorm=args.layernorm,
+        ffn_activation=args.ffn_activation, loss=args.loss, dropout=0.0,
+    )  # fmt: skip
     optimizer = build_optimizer(model, OptimConfig())
     runner = torch.compile(model) if args.compile else model
     k = MLMMasker(MLMConfig(), 10, SPECIAL, MASK_ID).predicted_per_row(args.seq)  # static sparse prediction
@@ -348,7 +349,8 @@ def report(result: dict, args: argparse.Namespace) -> str:
         f" {arch.num_layers} layers, hidden {arch.hidden_size}, {arch.num_heads} heads, FFN {arch.intermediate_size}"
         f" ({arch.ffn}); vocabulary {result['vocab']}, micro-batch {args.microbatch} x {args.seq} tokens,"
         f" {args.precision}, compile {'on' if args.compile else 'off'}, attention {args.attention},"
-        f" LayerNorm {args.layernorm}, {args.workers} loader worker(s); rows: {result['rows']}."
+        f" LayerNorm {args.layernorm}, FFN activation {args.ffn_activation}, loss {args.loss},"
+        f" {args.workers} loader worker(s); rows: {result['rows']}."
         f" {args.rounds} interleaved rounds of {args.steps} steps after {args.warmup} warm-up steps; medians over"
         f" rounds. Peak: a {args.matmul}x{args.matmul} {args.precision} matmul, best round: {peak / 1e12:.3f} TFLOP/s.",
         "",
@@ -453,6 +455,8 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true", help="torch.compile both models")
     parser.add_argument("--attention", default="sdpa")
     parser.add_argument("--layernorm", default="torch")
+    parser.add_argument("--ffn-activation", default="torch", help="torch | triton (fused gated GELU)")
+    parser.add_argument("--loss", default="torch", help="torch | triton (fused cross-entropy)")
     parser.add_argument("--workers", type=int, default=2, help="DataLoader workers (impl.num_workers)")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=3 if not cuda else 10)

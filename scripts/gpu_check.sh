@@ -1,17 +1,20 @@
 #!/usr/bin/env bash
-# One prepared GPU run, about 7 minutes on an H200 (each stage bounded by a timeout):
+# One prepared GPU run, inside 8 minutes on an H200: every stage has its own timeout, and no stage may run
+# past a deadline of 470 s from the start (a stage that would is cut short, and the summary says so).
 #   1. the kernel tests on CUDA (fp32/fp16 at the awkward CPU shapes, then bf16/fp16 at BERT shapes and
 #      the speed checks marked `gpu`), and the FLOP-count tests;
-#   2. scripts/bench_kernels.py: attention and LayerNorm against SDPA / F.layer_norm, bf16,
+#   2. scripts/aot_check.py --compare-gpu: the AOT compile of every kernel for this GPU's target (bf16)
+#      beside the registers and spills the driver reports for the kernels the launchers really compiled;
+#   3. scripts/bench_kernels.py: attention, LayerNorm, gated GELU and cross-entropy against PyTorch, bf16,
 #      batch 128, 12 heads, seq 128 and 512, head_dim 64 (SWEEP=1 adds the tile sweep, ~2 minutes more);
-#   3. scripts/bench_pretrain.py: full training steps of crammed-bert at seq 128, micro-batch 128, bf16,
+#   4. scripts/bench_pretrain.py: full training steps of crammed-bert at seq 128, micro-batch 128, bf16,
 #      compiled, against Hugging Face BertForMaskedLM of the closest shape: tokens/s, FLOP/s, MFU against a
 #      matmul peak measured in the same run, peak memory, data-path share (SDPA + torch LayerNorm), then
 #      ours alone with the Triton attention and LayerNorm, to choose the default backends;
-#   4. the micro-batch search of impl.microbatch_size=auto for crammed-bert (its trials, OOM included).
-# Writes results/kernels-<gpu>.md, results/kernels-<gpu>-tests.log, results/step-cuda-<gpu>*.md and
-# results/autobatch-<gpu>.md, and copies them to $OUT when set.
-# Needs python with torch (CUDA), triton, pytest, transformers and PyYAML; not hydra or datasets.
+#   5. the micro-batch search of impl.microbatch_size=auto for crammed-bert (its trials, OOM included).
+# Writes results/kernels-<gpu>.md, results/kernels-<gpu>-tests.log, results/kernels-aot-<gpu>.md,
+# results/step-cuda-<gpu>*.md and results/autobatch-<gpu>.md, and copies them to $OUT when set.
+# Needs python with torch (CUDA), triton, pytest, transformers and PyYAML; not hydra, datasets or evaluate.
 #
 #   bash scripts/gpu_check.sh                 # PYTHON=python3.12 bash scripts/gpu_check.sh to choose one
 set -uo pipefail
@@ -56,15 +59,36 @@ for extra in tests/test_kernels_glu.py tests/test_kernels_cross_entropy.py tests
     [ -f "$extra" ] && TESTS+=("$extra")
 done
 
-# Budget: Triton compiles every kernel variant on first use (~1 s each, about a hundred here), so the
-# tests take about two minutes and the kernel benchmarks one and a half (three with SWEEP=1).
+# Every stage runs under `timeout`, the smaller of its own limit and what is left of the deadline.
+DEADLINE=$(( $(date +%s) + ${BUDGET_S:-470} ))
+stage() {  # stage SECONDS command...: the command's exit status; 124 when cut by its timeout
+    local limit=$1 left
+    shift
+    left=$(( DEADLINE - $(date +%s) ))
+    [ "$left" -lt "$limit" ] && limit=$left
+    if [ "$limit" -lt 15 ]; then
+        echo "skipped, the 470 s deadline is reached: $*"
+        return 124
+    fi
+    timeout "$limit" "$@"
+}
+
+# Triton compiles every kernel variant on first use (~1 s each, about a hundred here), so the tests take
+# about two minutes and the kernel benchmarks one and a half (three with SWEEP=1).
 echo "== kernel tests on CUDA ($(date -u +%T))"
-timeout 200 $PY -m pytest -q -p no:cacheprovider --durations=10 "${TESTS[@]}" 2>&1 | tee "$LOG"
+stage 170 $PY -m pytest -q -p no:cacheprovider --durations=10 "${TESTS[@]}" 2>&1 | tee "$LOG"
 TEST_RC=${PIPESTATUS[0]}
+
+# Ahead-of-time compile for this GPU's target against what the launchers compiled in the tests' place.
+echo "== AOT compile against the real build ($(date -u +%T))"
+AOT_MD="results/kernels-aot-${GPU}.md"
+CC=$($PY -c "import torch; a, b = torch.cuda.get_device_capability(); print(f'{a}{b}')")
+stage 90 $PY scripts/aot_check.py --targets "$CC" --dtypes bf16 --compare-gpu --quiet --out "$AOT_MD"
+AOT_RC=$?
 
 echo "== benchmarks ($(date -u +%T))"
 SWEEP_FLAG=$([ "${SWEEP:-0}" = 1 ] && echo --sweep)
-timeout 240 $PY scripts/bench_kernels.py $SWEEP_FLAG --out "$MD"
+stage 100 $PY scripts/bench_kernels.py $SWEEP_FLAG --reps 20 --out "$MD"
 BENCH_RC=$?
 
 # Training steps: the default fast path (compile, SDPA, torch LayerNorm, fused AdamW) against HF, then ours
@@ -72,13 +96,13 @@ BENCH_RC=$?
 STEP_MD="results/step-cuda-${GPU}.md"
 STEP_TRITON_MD="results/step-cuda-${GPU}-triton.md"
 echo "== training-step benchmark ($(date -u +%T))"
-timeout 180 $PY scripts/bench_pretrain.py --arch crammed-bert --microbatch 128 --compile --profile 3 --out "$STEP_MD"
+stage 120 $PY scripts/bench_pretrain.py --arch crammed-bert --microbatch 128 --compile --profile 3 --out "$STEP_MD"
 STEP_RC=$?
-timeout 120 $PY scripts/bench_pretrain.py --arch crammed-bert --microbatch 128 --compile --no-hf \
-    --attention triton --layernorm triton --rounds 3 --out "$STEP_TRITON_MD"
+stage 80 $PY scripts/bench_pretrain.py --arch crammed-bert --microbatch 128 --compile --no-hf \
+    --attention triton --layernorm triton --ffn-activation triton --loss triton --rounds 3 --out "$STEP_TRITON_MD"
 echo "== micro-batch search ($(date -u +%T))"
 AUTOBATCH_MD="results/autobatch-${GPU}.md"
-timeout 90 $PY scripts/bench_pretrain.py --arch crammed-bert --autobatch --out "$AUTOBATCH_MD"
+stage 60 $PY scripts/bench_pretrain.py --arch crammed-bert --autobatch --out "$AUTOBATCH_MD"
 echo "== done ($(date -u +%T))"
 {
     echo
@@ -90,7 +114,8 @@ echo "== done ($(date -u +%T))"
 if [ -n "${OUT:-}" ]; then
     mkdir -p "$OUT/results"
     cp "$LOG" "$MD" "$OUT/results/"
-    for f in "$STEP_MD" "$STEP_TRITON_MD" "$AUTOBATCH_MD"; do [ -f "$f" ] && cp "$f" "$OUT/results/"; done
+    for f in "$AOT_MD" "$STEP_MD" "$STEP_TRITON_MD" "$AUTOBATCH_MD"; do [ -f "$f" ] && cp "$f" "$OUT/results/"; done
 fi
-echo "tests exit ${TEST_RC}, kernel bench exit ${BENCH_RC}, step bench exit ${STEP_RC}; wrote $MD, $LOG, $STEP_MD"
-[ "$TEST_RC" -eq 0 ] && [ "$BENCH_RC" -eq 0 ] && [ "$STEP_RC" -eq 0 ]
+echo "tests exit ${TEST_RC}, AOT exit ${AOT_RC}, kernel bench exit ${BENCH_RC}, step bench exit ${STEP_RC};" \
+    "wrote $MD, $LOG, $AOT_MD, $STEP_MD"
+[ "$TEST_RC" -eq 0 ] && [ "$AOT_RC" -eq 0 ] && [ "$BENCH_RC" -eq 0 ] && [ "$STEP_RC" -eq 0 ]

@@ -1,7 +1,8 @@
 """The tiny crammed BERT trained with the Triton kernels follows the same loss curve as with PyTorch's.
 
-Two copies of one initialization, one with impl.attention=triton and impl.layernorm=triton, one with the
-eager attention and torch LayerNorm, trained side by side on the same batches (dropout off, fp32). Any
+Two copies of one initialization, one with every Triton kernel (impl.attention, impl.layernorm,
+impl.ffn_activation and impl.loss = triton), one with the eager attention and the PyTorch LayerNorm, gated
+GELU and cross-entropy, trained side by side on the same batches (dropout off, fp32). Any
 kernel error that matters for training (a wrong gradient, a mask leak) bends one curve away from the other.
 """
 
@@ -61,7 +62,16 @@ def train(model: BertForMLM) -> list[float]:
 def test_triton_and_pytorch_loss_curves_match():
     torch.manual_seed(0)
     reference = BertForMLM(TINY, VOCAB, dropout=0.0, attention="eager", layernorm="torch").to(DEVICE)
-    kernels = BertForMLM(TINY, VOCAB, dropout=0.0, attention="triton", layernorm="triton").to(DEVICE)
+    kernels = BertForMLM(
+        TINY,
+        VOCAB,
+        dropout=0.0,
+        attention="triton",
+        layernorm="triton",
+        ffn_activation="triton",
+        loss="triton",
+    ).to(DEVICE)
+    assert TINY.ffn == "glu", "the tiny model must use the gated FFN for the GLU kernel to be exercised"
     kernels.load_state_dict(copy.deepcopy(reference.state_dict()))
 
     want, got = train(reference), train(kernels)

@@ -35,9 +35,7 @@ def checkpoint_backbone(
         checkpoint,
         base_dir,
         device=impl.torch_device(),
-        attention=impl.attention,
-        layernorm=impl.layernorm,
-        strict_kernels=impl.strict_kernels,
+        **impl.kernel_choices(),
     )
     arch = pretrained.model.arch
     return Backbone(

@@ -2,7 +2,7 @@
 
 Read top to bottom: embeddings -> blocks (attention + feed-forward, pre- or post-LayerNorm) -> final norm
 -> masked-language-model head. Every choice is a field of ArchConfig; attention and LayerNorm go through
-the backends of cramming.model.ops.
+the backends of cramming.model.ops, and so do the gated activation and the loss.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from cramming.model.config import ArchConfig
-from cramming.model.ops import ATTENTION, LAYERNORM
+from cramming.model.ops import ATTENTION, FFN_ACTIVATION, LAYERNORM, LOSS
 
 IGNORE_INDEX = -100  # label of positions that are not predicted
 
@@ -109,35 +109,36 @@ class SelfAttention(nn.Module):
 
 
 class FeedForward(nn.Module):
-    """up-projection -> GELU (or gate x GELU(value) when gated) -> down-projection."""
+    """up-projection -> GELU (or gate x GELU(value) when gated, by the `ffn_activation` backend) ->
+    down-projection."""
 
-    def __init__(self, arch: ArchConfig):
+    def __init__(self, arch: ArchConfig, ffn_activation: str = "torch"):
         super().__init__()
         self.gated = arch.ffn == "glu"
+        self.gated_activation = FFN_ACTIVATION[ffn_activation]
         inner = arch.intermediate_size // 2 if self.gated else arch.intermediate_size
         self.up = nn.Linear(arch.hidden_size, arch.intermediate_size, bias=arch.bias)
         self.down = nn.Linear(inner, arch.hidden_size, bias=arch.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.up(x)  # (batch, seq, intermediate)
-        if self.gated:
-            gate, value = h.chunk(2, dim=-1)  # each (batch, seq, intermediate / 2)
-            h = gate * F.gelu(value)
-        else:
-            h = F.gelu(h)
+        # gated: (batch, seq, intermediate / 2)
+        h = self.gated_activation(h) if self.gated else F.gelu(h)
         return self.down(h)  # (batch, seq, hidden)
 
 
 class Block(nn.Module):
     """pre-LN: x + f(norm(x)) for f in (attention, ffn); post-LN: norm(x + f(x))."""
 
-    def __init__(self, arch: ArchConfig, dropout: float, attention: str, layernorm: str):
+    def __init__(
+        self, arch: ArchConfig, dropout: float, attention: str, layernorm: str, ffn_activation: str = "torch"
+    ):
         super().__init__()
         self.pre_norm = arch.norm_scheme == "pre"
         self.norm1 = LayerNorm(arch.hidden_size, arch.norm_eps, layernorm, arch.norm_bias)
         self.attention = SelfAttention(arch, dropout, attention)
         self.norm2 = LayerNorm(arch.hidden_size, arch.norm_eps, layernorm, arch.norm_bias)
-        self.ffn = FeedForward(arch)
+        self.ffn = FeedForward(arch, ffn_activation)
         self.dropout = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor, key_padding_mask: torch.Tensor | None) -> torch.Tensor:
@@ -151,11 +152,19 @@ class Block(nn.Module):
 class Encoder(nn.Module):
     """Token ids -> contextual hidden states (batch, seq, hidden). Fine-tuning heads build on this."""
 
-    def __init__(self, arch: ArchConfig, vocab_size: int, dropout: float, attention: str, layernorm: str):
+    def __init__(
+        self,
+        arch: ArchConfig,
+        vocab_size: int,
+        dropout: float,
+        attention: str,
+        layernorm: str,
+        ffn_activation: str = "torch",
+    ):
         super().__init__()
         self.embeddings = Embeddings(arch, vocab_size, dropout, layernorm)
         self.blocks = nn.ModuleList(
-            Block(arch, dropout, attention, layernorm) for _ in range(arch.num_layers)
+            Block(arch, dropout, attention, layernorm, ffn_activation) for _ in range(arch.num_layers)
         )
         self.final_norm = (
             LayerNorm(arch.hidden_size, arch.norm_eps, layernorm, arch.norm_bias)
@@ -230,15 +239,19 @@ class BertForMLM(nn.Module):
         dropout: float | None = None,
         attention: str = "sdpa",
         layernorm: str = "torch",
+        ffn_activation: str = "torch",
+        loss: str = "torch",
     ):
         """dropout: None uses arch.dropout (fine-tuning); pretraining passes train.dropout.
-        attention, layernorm: backend names, already resolved by cramming.model.ops.resolve_backends."""
+        attention, layernorm, ffn_activation, loss: backend names, already resolved by
+        cramming.model.ops.resolve_kernels."""
         super().__init__()
         self.arch = arch
         self.vocab_size = vocab_size
         dropout = arch.dropout if dropout is None else dropout
-        self.encoder = Encoder(arch, vocab_size, dropout, attention, layernorm)
+        self.encoder = Encoder(arch, vocab_size, dropout, attention, layernorm, ffn_activation)
         self.head = PredictionHead(arch, vocab_size, layernorm)
+        self.loss_fn = LOSS[loss]
         self.apply(self._init_weights)
         if arch.tie_embeddings:
             self.head.decoder.weight = self.encoder.embeddings.word.weight
@@ -272,7 +285,7 @@ class BertForMLM(nn.Module):
                 predicted = labels != IGNORE_INDEX
                 hidden, labels = hidden[predicted], labels[predicted]  # (n_masked, hidden), (n_masked,)
         logits = self.head(hidden)  # (n, vocab)
-        loss = F.cross_entropy(logits.float(), labels, ignore_index=IGNORE_INDEX)
+        loss = self.loss_fn(logits, labels, IGNORE_INDEX)
         return MLMOutput(loss=loss, logits=logits, labels=labels)
 
 

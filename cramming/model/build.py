@@ -6,7 +6,7 @@ import torch
 
 from cramming.model.bert import BertForMLM
 from cramming.model.config import ArchConfig
-from cramming.model.ops import resolve_backends
+from cramming.model.ops import resolve_kernels
 
 
 def build_model(
@@ -16,11 +16,15 @@ def build_model(
     device: torch.device | str = "cpu",
     attention: str = "sdpa",
     layernorm: str = "torch",
+    ffn_activation: str = "torch",
+    loss: str = "torch",
     strict_kernels: bool = False,
     dropout: float | None = None,
 ) -> BertForMLM:
     """A freshly initialized model on `device`, with the kernel backends that can run there."""
     device = torch.device(device)
-    attention, layernorm = resolve_backends(attention, layernorm, device, strict_kernels)
-    model = BertForMLM(arch, vocab_size, dropout=dropout, attention=attention, layernorm=layernorm)
+    requested = dict(attention=attention, layernorm=layernorm, ffn_activation=ffn_activation, loss=loss)
+    model = BertForMLM(
+        arch, vocab_size, dropout=dropout, **resolve_kernels(requested, device, strict_kernels)
+    )
     return model.to(device)

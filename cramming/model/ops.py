@@ -1,8 +1,9 @@
-"""Attention and LayerNorm backends, chosen by name (`impl.attention`, `impl.layernorm`).
+"""Attention, LayerNorm, gated-activation and loss backends, chosen by name (`impl.attention`,
+`impl.layernorm`, `impl.ffn_activation`, `impl.loss`).
 
 Every backend computes the same function; they differ only in speed and rounding. The `triton` entries
 import their kernels from `cramming.kernels` on first call, so this module imports without Triton.
-`resolve_backends` decides once, at model construction, whether a Triton kernel can launch here.
+`resolve_kernels` decides once, at model construction, whether a Triton kernel can launch here.
 """
 
 from __future__ import annotations
@@ -22,6 +23,11 @@ log = logging.getLogger("cramming")
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None", float], torch.Tensor]
 # layer_norm(x, weight, bias, eps) -> normalized x over its last dimension
 LayerNormFn = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None", float], torch.Tensor]
+# gated_activation(h) -> gate * gelu(value) for h = [gate | value]: (..., 2F) -> (..., F)
+GatedActivationFn = Callable[[torch.Tensor], torch.Tensor]
+# loss(logits, labels, ignore_index) -> mean cross-entropy over the labelled rows, an fp32 scalar;
+# logits (n, vocab) in any float dtype, labels (n,) int64
+LossFn = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
 
 
 class KernelUnavailableError(RuntimeError):
@@ -61,16 +67,47 @@ def triton_layer_norm(x, weight, bias=None, eps: float = 1e-12):
     return layer_norm(x, weight, bias, eps)
 
 
+def torch_gated_gelu(h):
+    gate, value = h.chunk(2, dim=-1)  # each (..., F)
+    return gate * F.gelu(value)
+
+
+def triton_gated_gelu(h):
+    from cramming.kernels.glu import gated_gelu
+
+    return gated_gelu(h)
+
+
+def torch_cross_entropy(logits, labels, ignore_index: int = -100):
+    """On an fp32 copy of the logits (bf16 logits lose too much in the log-sum-exp)."""
+    return F.cross_entropy(logits.float(), labels, ignore_index=ignore_index)
+
+
+def triton_cross_entropy(logits, labels, ignore_index: int = -100):
+    """Reads the logits in their own dtype, log-sum-exp in fp32: no (n, vocab) fp32 copy. The one difference
+    beyond rounding: with no labelled row at all it returns 0 where PyTorch returns NaN."""
+    from cramming.kernels.cross_entropy import cross_entropy
+
+    return cross_entropy(logits, labels, ignore_index)
+
+
 ATTENTION: dict[str, AttentionFn] = {
     "eager": eager_attention,
     "sdpa": sdpa_attention,
     "triton": triton_attention,
 }
 LAYERNORM: dict[str, LayerNormFn] = {"torch": torch_layer_norm, "triton": triton_layer_norm}
+FFN_ACTIVATION: dict[str, GatedActivationFn] = {"torch": torch_gated_gelu, "triton": triton_gated_gelu}
+LOSS: dict[str, LossFn] = {"torch": torch_cross_entropy, "triton": triton_cross_entropy}
 
 # where each Triton backend lives, and the PyTorch backend that replaces it when it cannot launch
-_TRITON_MODULES = {"attention": "cramming.kernels.attention", "layernorm": "cramming.kernels.layernorm"}
-_FALLBACKS = {"attention": "sdpa", "layernorm": "torch"}
+_TRITON_MODULES = {
+    "attention": "cramming.kernels.attention",
+    "layernorm": "cramming.kernels.layernorm",
+    "ffn_activation": "cramming.kernels.glu",
+    "loss": "cramming.kernels.cross_entropy",
+}
+_FALLBACKS = {"attention": "sdpa", "layernorm": "torch", "ffn_activation": "torch", "loss": "torch"}
 
 
 def triton_unavailable(module: str, device: torch.device) -> str | None:
@@ -90,10 +127,11 @@ def triton_unavailable(module: str, device: torch.device) -> str | None:
     return None
 
 
-def resolve_backends(attention: str, layernorm: str, device: torch.device, strict: bool) -> tuple[str, str]:
-    """The (attention, layernorm) backends to use: the requested ones, or PyTorch for a Triton kernel that
-    cannot launch here (one warning), or KernelUnavailableError when `strict`."""
-    chosen = {"attention": attention, "layernorm": layernorm}
+def resolve_kernels(requested: dict[str, str], device: torch.device, strict: bool) -> dict[str, str]:
+    """The backend to use for each kind in `requested` (e.g. {"attention": "triton", "loss": "torch"}):
+    the requested one, or PyTorch for a Triton kernel that cannot launch here (one warning for all), or
+    KernelUnavailableError when `strict`."""
+    chosen = dict(requested)
     problems = []
     for kind, name in chosen.items():
         if name != "triton":
@@ -109,4 +147,10 @@ def resolve_backends(attention: str, layernorm: str, device: torch.device, stric
         log.warning(
             "%s. Falling back to PyTorch: %s.", message, ", ".join(f"{k}={v}" for k, v in chosen.items())
         )
+    return chosen
+
+
+def resolve_backends(attention: str, layernorm: str, device: torch.device, strict: bool) -> tuple[str, str]:
+    """`resolve_kernels` for the (attention, layernorm) pair."""
+    chosen = resolve_kernels({"attention": attention, "layernorm": layernorm}, device, strict)
     return chosen["attention"], chosen["layernorm"]

@@ -156,10 +156,8 @@ def set_up(
         cfg.arch,
         data.vocab_size,
         device=ranks.device,
-        attention=cfg.impl.attention,
-        layernorm=cfg.impl.layernorm,
-        strict_kernels=cfg.impl.strict_kernels,
         dropout=cfg.train.dropout,
+        **cfg.impl.kernel_choices(),
     )
     log_model_size(model, cfg.arch, data.vocab_size)
     masker = MLMMasker(cfg.train.mlm, data.vocab_size, data.special.all, data.special.mask, seed=cfg.seed)
