@@ -136,6 +136,8 @@ def pretrain_row(run: RunRecord) -> dict:
         "loss": _round(m.get("loss", losses[-1]["loss"] if losses else None), 4),
         "val_loss": _round(m.get("val_loss", validation.get("val_loss")), 4),
         "val_mlm_acc": _round(m.get("val_mlm_acc", validation.get("val_mlm_acc")), 4),
+        # the context-use diagnostic (cramming/train/context.py): shuffled-row loss minus real-row loss
+        "val_context_gain": _round(validation.get("val_context_gain"), 4),
         "tok_per_s": _round(m.get("tok_per_s", _median(r["tok_per_s"] for r in losses)), 0),
         "anytime_last": _round(anytime[-1].get("anytime_average"), 4) if anytime else None,
         **{
@@ -358,7 +360,8 @@ def build_report(folders: str | Path | list[str | Path], out: str | Path | None 
     if pretrain_rows:
         lines += ["", "## Pretraining", "", markdown_table(pretrain_rows)]
         lines.append(
-            "`loss`: training MLM loss of the last log window; `val_*`: the held-out split at the end;"
+            "`loss`: training MLM loss of the last log window; `val_*`: the held-out split at the end"
+            " (`val_context_gain`: masked loss on shuffled rows minus on real rows, >0 when context is used);"
             " `tok_per_s`: median over log windows. Seconds: `data` preprocessing or cache lookup (not"
             " on the budget), `setup` model and optimizer, `compile` the first update's time beyond a"
             " steady one, `train` the updates, `eval` anytime evaluations, final validation and saving."

@@ -73,6 +73,9 @@ class TrainConfig:
     max_nonfinite_updates: int = 10
     # rows of the validation split evaluated (MLM loss, accuracy) at the end of training (0: none)
     validation_rows: int = 2048
+    # also measure on them whether the model uses context (cramming/train/context.py): the masked loss on
+    # real rows against the same rows shuffled, and the targets' unigram entropy; two more forward passes
+    context_diagnostic: bool = True
     # also write the metrics records as TensorBoard events into {run_dir}/tensorboard (needs `tensorboard`)
     tensorboard: bool = False
 

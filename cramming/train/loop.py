@@ -38,6 +38,8 @@ from cramming.model import checkpoint as model_checkpoint
 from cramming.optim import build_optimizer, format_state_report, optimizer_state_report
 from cramming.train import autobatch, checkpoint, distributed
 from cramming.train.batches import microbatches, numbered
+from cramming.train.context import context_use
+from cramming.train.context import describe as describe_context_use
 from cramming.train.mlm import MLMMasker
 from cramming.train.schedules import LR_SCHEDULES, accumulation_steps, step_progress
 from cramming.train.signals import StopSignals, catch_stop_signals
@@ -661,4 +663,9 @@ def evaluate(run: Run) -> dict | None:
         loss += out.loss.float().item() * count.item()
         correct += right.item()
         predicted += count.item()
-    return {"loss": loss / max(predicted, 1.0), "mlm_acc": correct / max(predicted, 1.0)}
+    validation = {"loss": loss / max(predicted, 1.0), "mlm_acc": correct / max(predicted, 1.0)}
+    if run.cfg.train.context_diagnostic:
+        diagnosis = context_use(run.model, masker, input_ids, run.microbatch_size, run.step.autocast)
+        log.info(describe_context_use(diagnosis))
+        validation |= {f"context_{key}": value for key, value in diagnosis.items() if key != "rows"}
+    return validation
