@@ -26,6 +26,10 @@ import triton.language as tl
 from cramming.kernels import triton_status
 
 BLOCKS_PER_PROGRAM = 4  # 1024 elements per program: enough bytes in flight for a memory-bound update
+QBLOCK = 256  # elements per quantization block (one fp32 absmax each), cramming.optim.quant's 8-bit block
+# launch options, shared with scripts/aot_check.py: no mul+add -> fma contraction, so the kernel rounds exactly
+# as the PyTorch reference does
+LAUNCH = {"num_warps": 4, "enable_fp_fusion": False}
 
 
 @triton.jit
@@ -136,7 +140,7 @@ def adamw8bit_update_triton(
     step_size: float,
     bias2_sqrt: float,
     sqrt_v: bool = False,
-    qblock: int = 256,
+    qblock: int = QBLOCK,
 ) -> None:
     """In-place fused update of a contiguous `param` (n,) and its 8-bit moments: codes (n,) uint8, absmax
     (ceil(n / qblock),) fp32; m_map / v_map: the (256,) fp32 codes, ascending. The scalars are those of
@@ -168,7 +172,5 @@ def adamw8bit_update_triton(
         QBLOCK=qblock,
         BLOCKS_PER_PROGRAM=BLOCKS_PER_PROGRAM,
         SQRT_V=sqrt_v,
-        num_warps=4,
-        # no mul+add -> fma contraction: the kernel then rounds exactly as the PyTorch reference does
-        enable_fp_fusion=False,
+        **LAUNCH,
     )

@@ -251,8 +251,7 @@ def cross_entropy_launches(dtype: str, cc: int) -> Iterator[Compile]:
 
 
 def adamw8bit_launches(dtype: str, cc: int) -> Iterator[Compile]:
-    """The 8-bit AdamW update (owned by the optimizer; read-only here). Its launcher fixes num_warps=4 and
-    enable_fp_fusion=False in the call itself, repeated below."""
+    """The 8-bit AdamW update, with its launcher's own options (cramming.kernels.adamw8bit.LAUNCH)."""
     import torch
 
     from cramming.kernels import adamw8bit as Q
@@ -275,15 +274,16 @@ def adamw8bit_launches(dtype: str, cc: int) -> Iterator[Compile]:
     )
     args.update({name: 0.5 for name in scalars})
     fn = Q._adamw8bit_update_kernel
-    constexprs = dict(QBLOCK=Q.QBLOCK, BLOCKS_PER_PROGRAM=Q.BLOCKS_PER_PROGRAM)
-    yield Compile(
-        "8-bit AdamW",
-        "768 x 3072 weight",
-        fn,
-        _pick(fn, args),
-        constexprs,
-        dict(num_warps=4, enable_fp_fusion=False),
-    )
+    for sqrt_v in (True, False):  # the default second-moment map (sqrt) and the v maps (nonzero, dynamic)
+        constexprs = dict(QBLOCK=Q.QBLOCK, BLOCKS_PER_PROGRAM=Q.BLOCKS_PER_PROGRAM, SQRT_V=sqrt_v)
+        yield Compile(
+            "8-bit AdamW",
+            f"768 x 3072 weight, {'sqrt(v)' if sqrt_v else 'v'} codes",
+            fn,
+            _pick(fn, args),
+            constexprs,
+            dict(Q.LAUNCH),
+        )
 
 
 KERNELS: dict[str, Callable[[str, int], Iterator[Compile]]] = {
