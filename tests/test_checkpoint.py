@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import signal
 
 import pytest
@@ -291,3 +292,22 @@ def test_two_saves_into_one_place_never_share_a_temporary_folder(tmp_path, monke
     save(info={"by": "first"})
     assert model_checkpoint.load_pretrained(directory).config["training"] == {"by": "first"}  # the last one
     assert sorted(p.name for p in directory.parent.iterdir()) == [model_checkpoint.CHECKPOINT_DIR]
+
+
+def test_resuming_removes_the_temporaries_of_a_save_killed_mid_write(tmp_path):
+    """A SIGKILL during torch.save leaves the staged state's temporary file; the next resume of that run
+    folder deletes it (its process is gone), and keeps those of a live process."""
+    run = tmp_path / "run"
+    checkpoint.save_state(run / checkpoint.STATE, {"version": 2, "x": torch.zeros(2)})
+    dead = 2**22 + 12345  # above the largest pid Linux allows (pid_max <= 2**22): no such process
+    stale = [
+        run / f"..state.pt.{dead}.next.k3y.tmp",
+        run / f".state.pt.{dead}.next",
+        run / f".state.prev.pt.{dead}.tmp",
+    ]
+    live = run / f"..state.pt.{os.getpid()}.next.abc.tmp"
+    for path in [*stale, live]:
+        path.write_bytes(b"half a state")
+    found, state = checkpoint.load_newest_state(run / checkpoint.STATE)
+    assert found == run / checkpoint.STATE and torch.equal(state["x"], torch.zeros(2))
+    assert not any(path.exists() for path in stale) and live.exists()

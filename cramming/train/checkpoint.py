@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -76,9 +77,39 @@ def find_resumable_state(base_dir: str | Path, name: str) -> Path | None:
     return run_dir / STATE if (run_dir / STATE).exists() else run_dir / PREVIOUS
 
 
+def remove_stale_temporaries(run_dir: Path) -> list[Path]:
+    """Delete the temporary state files (`.state.pt.<pid>.next*`, `.state.prev.pt.<pid>.tmp`) that a process
+    killed mid-write left in `run_dir`; files of a process still alive on this machine are kept."""
+    removed = []
+    # `.state.pt.<pid>.next` (staged), `..state.pt.<pid>.next.<random>.tmp` (its atomic write), and
+    # `.state.prev.pt.<pid>.tmp` (the link to the previous state)
+    pattern = re.compile(rf"\.{{1,2}}(?:{re.escape(STATE)}|{re.escape(PREVIOUS)})\.(\d+)\..*")
+    for candidate in run_dir.glob(".*state*"):
+        match = pattern.fullmatch(candidate.name)
+        if match is None or _process_alive(int(match.group(1))):
+            continue
+        candidate.unlink(missing_ok=True)
+        removed.append(candidate)
+    if removed:
+        log.info("removed %d temporary file(s) of an interrupted save: %s", len(removed), removed)
+    return removed
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    return True
+
+
 def load_newest_state(path: Path) -> tuple[Path, dict]:
     """The state at `path`, or when it does not load the state.prev.pt beside it, with a warning naming both.
-    Raises StateUnreadable (a ConfigError: exit 2) when neither loads."""
+    Raises StateUnreadable (a ConfigError: exit 2) when neither loads. A killed save's temporary files in
+    the run folder are removed first."""
+    remove_stale_temporaries(path.parent)
     candidates = [path] + ([path.with_name(PREVIOUS)] if path.name == STATE else [])
     failures = []
     for candidate in candidates:

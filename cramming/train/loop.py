@@ -548,6 +548,8 @@ def load_resume_state(cfg: PretrainConfig) -> dict | None:
     """With resume=true, the state of the newest run of this name that saved one."""
     if not cfg.resume:
         return None
+    for run_dir in (Path(cfg.base_dir) / cfg.name).glob("*/"):  # saves killed mid-write, in any run of it
+        checkpoint.remove_stale_temporaries(run_dir)
     path = checkpoint.find_resumable_state(cfg.base_dir, cfg.name)
     if path is None:
         raise ConfigError(
