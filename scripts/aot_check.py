@@ -104,8 +104,6 @@ def attention_launches(dtype: str, cc: int) -> Iterator[Compile]:
     q, k, v views into a fused (batch, seq, 3, heads, head_dim) projection; outputs (batch, seq, heads, d)."""
     import torch
 
-    from cramming.kernels import attention as A
-
     tdtype = _torch_dtype(dtype)
     for hidden, heads in ATTENTION_SHAPES:
         head_dim = hidden // heads
@@ -114,70 +112,75 @@ def attention_launches(dtype: str, cc: int) -> Iterator[Compile]:
             q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # (batch, heads, seq, head_dim) views
             out = torch.empty(2, seq, heads, head_dim, dtype=tdtype).transpose(1, 2)
             lse = torch.empty(2, heads, seq, dtype=torch.float32)
-            kpm_tensor = torch.ones(2, seq, dtype=torch.uint8)
+            kpm = torch.ones(2, seq, dtype=torch.uint8)
+            tensors = dict(
+                Q=q, K=k, V=v, KPM=kpm, OUT=out, DO=out, DQ=out, DK=out, DV=out, LSE=lse, DELTA=lse
+            )
             for has_kpm in (False, True):
                 for dropout in (False, True):
-                    tiles = A.attention_tiles(seq, head_dim, tdtype, divmod(cc, 10), dropout)
-                    kpm = kpm_tensor if has_kpm else q
-                    shape = (
-                        f"seq {seq}, d {head_dim}, {heads} heads"
-                        + (", padding mask" if has_kpm else "")
-                        + (", dropout" if dropout else "")
-                    )
-                    flags = dict(
-                        HAS_KPM=has_kpm, DROPOUT=dropout, IEEE=dtype == "fp32", BLOCK_D=A.block_d(head_dim)
-                    )
-                    scalars = dict(H=heads, S=seq, D=head_dim, dropout_p=0.1 if dropout else 0.0, seed=12345)
-                    strides = {}
-                    for prefix, t in (("sq", q), ("sk", k), ("sv", v), ("so", out), ("sdo", out)):
-                        strides.update(
-                            {
-                                f"{prefix}_b": t.stride(0),
-                                f"{prefix}_h": t.stride(1),
-                                f"{prefix}_s": t.stride(2),
-                            }
-                        )
-                    for prefix in ("sdq", "sdk", "sdv"):
-                        strides.update({f"{prefix}_{x}": strides[f"so_{x}"] for x in "bhs"})
-                    strides["skpm_b"] = seq if has_kpm else 0
-                    tensors = dict(
-                        Q=q, K=k, V=v, KPM=kpm, OUT=out, DO=out, DQ=out, DK=out, DV=out, LSE=lse, DELTA=lse
-                    )
-                    yield Compile(
-                        "attention fwd",
-                        shape,
-                        A._attention_fwd_kernel,
-                        _pick(A._attention_fwd_kernel, {**tensors, **strides, **scalars, "qk_scale": 0.18}),
-                        {**flags, "BLOCK_M": tiles.fwd_m, "BLOCK_N": tiles.fwd_n},
-                        dict(num_warps=tiles.fwd_warps, num_stages=tiles.stages),
-                    )
-                    if not has_kpm and not dropout:  # the preprocess kernel takes neither
-                        yield Compile(
-                            "attention bwd preprocess",
-                            f"seq {seq}, d {head_dim}, {heads} heads",
-                            A._attention_bwd_preprocess_kernel,
-                            _pick(A._attention_bwd_preprocess_kernel, {**tensors, **strides, **scalars}),
-                            dict(BLOCK_M=A.PREPROCESS_BLOCK_M, BLOCK_D=A.block_d(head_dim)),
-                        )
-                    fused_dq = seq <= tiles.bwd_n
-                    bwd_scalars = {**tensors, **strides, **scalars, "sm_scale": 0.125, "qk_scale": 0.18}
-                    yield Compile(
-                        "attention bwd dK/dV" + (" (+dQ)" if fused_dq else ""),
-                        shape,
-                        A._attention_bwd_dkdv_kernel,
-                        _pick(A._attention_bwd_dkdv_kernel, bwd_scalars),
-                        {**flags, "FUSED_DQ": fused_dq, "BLOCK_M": tiles.bwd_m, "BLOCK_N": tiles.bwd_n},
-                        dict(num_warps=tiles.bwd_warps, num_stages=tiles.stages),
-                    )
-                    if not fused_dq:
-                        yield Compile(
-                            "attention bwd dQ",
-                            shape,
-                            A._attention_bwd_dq_kernel,
-                            _pick(A._attention_bwd_dq_kernel, bwd_scalars),
-                            {**flags, "BLOCK_M": tiles.dq_m, "BLOCK_N": tiles.dq_n},
-                            dict(num_warps=tiles.dq_warps, num_stages=tiles.stages),
-                        )
+                    case = {**tensors, "KPM": kpm if has_kpm else q}
+                    yield from _attention_case(dtype, cc, case, seq, heads, head_dim, has_kpm, dropout)
+
+
+def _attention_strides(tensors: dict, seq: int, has_kpm: bool) -> dict[str, int]:
+    """The launchers' stride arguments: (batch, head, seq) strides of q, k, v, out (dO, dQ, dK, dV alike)."""
+    strides = {}
+    for prefix, name in (("sq", "Q"), ("sk", "K"), ("sv", "V"), ("so", "OUT"), ("sdo", "DO")):
+        t = tensors[name]
+        strides.update({f"{prefix}_b": t.stride(0), f"{prefix}_h": t.stride(1), f"{prefix}_s": t.stride(2)})
+    for prefix in ("sdq", "sdk", "sdv"):
+        strides.update({f"{prefix}_{x}": strides[f"so_{x}"] for x in "bhs"})
+    strides["skpm_b"] = seq if has_kpm else 0
+    return strides
+
+
+def _attention_case(
+    dtype: str, cc: int, tensors: dict, seq: int, heads: int, head_dim: int, has_kpm: bool, dropout: bool
+) -> Iterator[Compile]:
+    """The kernels one attention call launches (forward and backward) with the launcher's tiles."""
+    from cramming.kernels import attention as A
+
+    tiles = A.attention_tiles(seq, head_dim, _torch_dtype(dtype), divmod(cc, 10), dropout)
+    shape = f"seq {seq}, d {head_dim}, {heads} heads" + (", padding mask" if has_kpm else "")
+    shape += ", dropout" if dropout else ""
+    flags = dict(HAS_KPM=has_kpm, DROPOUT=dropout, IEEE=dtype == "fp32", BLOCK_D=A.block_d(head_dim))
+    scalars = dict(H=heads, S=seq, D=head_dim, dropout_p=0.1 if dropout else 0.0, seed=12345)
+    values = {**tensors, **_attention_strides(tensors, seq, has_kpm), **scalars}
+    yield Compile(
+        "attention fwd",
+        shape,
+        A._attention_fwd_kernel,
+        _pick(A._attention_fwd_kernel, {**values, "qk_scale": 0.18}),
+        {**flags, "BLOCK_M": tiles.fwd_m, "BLOCK_N": tiles.fwd_n},
+        dict(num_warps=tiles.fwd_warps, num_stages=tiles.stages),
+    )
+    if not has_kpm and not dropout:  # the preprocess kernel takes neither
+        yield Compile(
+            "attention bwd preprocess",
+            f"seq {seq}, d {head_dim}, {heads} heads",
+            A._attention_bwd_preprocess_kernel,
+            _pick(A._attention_bwd_preprocess_kernel, values),
+            dict(BLOCK_M=A.PREPROCESS_BLOCK_M, BLOCK_D=A.block_d(head_dim)),
+        )
+    fused_dq = seq <= tiles.bwd_n
+    bwd_values = {**values, "sm_scale": 0.125, "qk_scale": 0.18}
+    yield Compile(
+        "attention bwd dK/dV" + (" (+dQ)" if fused_dq else ""),
+        shape,
+        A._attention_bwd_dkdv_kernel,
+        _pick(A._attention_bwd_dkdv_kernel, bwd_values),
+        {**flags, "FUSED_DQ": fused_dq, "BLOCK_M": tiles.bwd_m, "BLOCK_N": tiles.bwd_n},
+        dict(num_warps=tiles.bwd_warps, num_stages=tiles.stages),
+    )
+    if not fused_dq:
+        yield Compile(
+            "attention bwd dQ",
+            shape,
+            A._attention_bwd_dq_kernel,
+            _pick(A._attention_bwd_dq_kernel, bwd_values),
+            {**flags, "BLOCK_M": tiles.dq_m, "BLOCK_N": tiles.dq_n},
+            dict(num_warps=tiles.dq_warps, num_stages=tiles.stages),
+        )
 
 
 def layer_norm_launches(dtype: str, cc: int) -> Iterator[Compile]:
