@@ -48,7 +48,7 @@ class Copycat(torch.nn.Module):
         self.vocab, self.blind = vocab, blind
         self.weight = torch.nn.Parameter(torch.zeros(1))
 
-    def forward(self, input_ids, labels):
+    def forward(self, input_ids, labels, predicted_per_row=None):  # BertForMLM.forward's signature
         left = 5 + (torch.roll(input_ids, 1, dims=1) - 5 + 1) % 45  # the successor of the left neighbour
         logits = torch.full((*input_ids.shape, self.vocab), -10.0).scatter(-1, left[..., None], 10.0)
         if self.blind:

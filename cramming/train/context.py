@@ -16,11 +16,10 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from cramming.model import IGNORE_INDEX
-from cramming.train.mlm import MLMMasker, row_uniforms
+from cramming.train.mlm import MLMMasker, mlm_totals, row_uniforms
 
 _SHUFFLE = 7  # the hash stream of the shuffle draws (the masker's own streams are 1-3)
 
@@ -46,21 +45,12 @@ def masked_for_diagnosis(masker: MLMMasker, input_ids: torch.Tensor) -> tuple[to
     return torch.where(chosen, masker.mask_id, input_ids), labels
 
 
-@torch.no_grad()
 def mlm_loss(
     model: nn.Module, inputs: torch.Tensor, labels: torch.Tensor, batch_size: int, autocast=None
 ) -> float:
     """Mean cross-entropy over the labelled positions, in chunks of `batch_size` rows."""
-    device = next(model.parameters()).device
-    total, count = 0.0, 0
-    for first in range(0, inputs.shape[0], batch_size):
-        part = slice(first, first + batch_size)
-        with autocast() if autocast is not None else torch.autocast(device.type, enabled=False):
-            out = model(inputs[part].to(device), labels[part].to(device))
-        targets = out.labels != IGNORE_INDEX
-        total += F.cross_entropy(out.logits.float(), out.labels, reduction="sum").item()
-        count += int(targets.sum())
-    return total / max(count, 1)
+    loss, _, count = mlm_totals(model, inputs, labels, batch_size, autocast)
+    return loss / max(count, 1)
 
 
 def unigram_entropy(labels: torch.Tensor) -> float:

@@ -9,7 +9,12 @@ resume: there is no masking state to save.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable
+
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 from cramming.model import IGNORE_INDEX
 from cramming.train.config import MLMConfig
@@ -89,3 +94,38 @@ class MLMMasker:
         chosen = torch.zeros_like(maskable)
         chosen.scatter_(1, scores.topk(k, dim=1).indices, True)
         return chosen & maskable
+
+
+@torch.no_grad()
+def mlm_accuracy_counts(out) -> tuple[torch.Tensor, torch.Tensor]:
+    """(correct predictions, predictions) of an MLMOutput, on the device (no synchronization). Right where the
+    label's logit is the row's maximum: argmax == label up to exact ties, and on CPU an amax is many times
+    cheaper than an argmax (profiled: argmax was 9% of a tiny-model step)."""
+    target = out.labels != IGNORE_INDEX
+    label_logit = out.logits.gather(-1, out.labels.clamp(min=0)[:, None]).squeeze(-1)
+    correct = ((label_logit >= out.logits.amax(dim=-1)) & target).sum()
+    return correct, target.sum()
+
+
+@torch.no_grad()
+def mlm_totals(
+    model: nn.Module,
+    inputs: torch.Tensor,
+    labels: torch.Tensor,
+    batch_size: int,
+    autocast: Callable[[], contextlib.AbstractContextManager] | None = None,
+    predicted_per_row: int | None = None,
+) -> tuple[float, int, int]:
+    """(summed cross-entropy, correct predictions, predictions) over the labelled positions of corrupted
+    `inputs` (rows, seq), in chunks of `batch_size` rows: held-out evaluation, whatever the chunking."""
+    device = next(model.parameters()).device
+    loss, correct, count = 0.0, 0, 0
+    for first in range(0, inputs.shape[0], batch_size):
+        part = slice(first, first + batch_size)
+        with autocast() if autocast is not None else contextlib.nullcontext():
+            out = model(inputs[part].to(device), labels[part].to(device), predicted_per_row=predicted_per_row)
+        right, predicted = mlm_accuracy_counts(out)
+        loss += F.cross_entropy(out.logits.float(), out.labels, reduction="sum").item()
+        correct += int(right)
+        count += int(predicted)
+    return loss, correct, count
