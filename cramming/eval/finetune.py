@@ -115,7 +115,7 @@ def finetune(
     start = time.perf_counter()
     device = impl.torch_device()
     seed_everything(seed)
-    encoder = copy.deepcopy(backbone.encoder).to(device)
+    encoder = copy.deepcopy(backbone.encoder)
     model = SequenceClassifier(encoder, backbone.hidden_size, task.num_labels, backbone.dropout, cfg.head)
     model = model.to(device)
     epochs, lr, batch_size = cfg.for_task(task.name)
@@ -159,8 +159,9 @@ def finetune(
         task.entry_name(split): evaluate(model, task, splits[split or "dev"], backbone, cfg, seed)
         for split, _, _ in task.eval_splits
     }
-    steps = step.stats.applied + step.stats.skipped
-    return TaskResult(metrics, len(train), steps, time.perf_counter() - start, loss_value, stopped)
+    return TaskResult(
+        metrics, len(train), step.stats.updates, time.perf_counter() - start, loss_value, stopped
+    )
 
 
 def train_epoch(
@@ -179,7 +180,7 @@ def train_epoch(
     loss_value, loss_sum, seen = float("nan"), 0.0, 0
     for first in range(0, len(order), batch_size):
         batch = padded_batch(train, order[first : first + batch_size], pad_id, device)
-        step.begin(lr_factor(step.stats.applied + step.stats.skipped))
+        step.begin(lr_factor(step.stats.updates))
         with step.autocast():
             logits = model(batch["input_ids"], batch["attention_mask"], batch["token_type_ids"])
         loss = _loss(logits, batch["labels"], regression)

@@ -37,6 +37,11 @@ class StepStats:
     skipped: int = 0
     skipped_in_a_row: int = 0
 
+    @property
+    def updates(self) -> int:
+        """Updates finished, applied or skipped: the clock of a steps-* schedule."""
+        return self.applied + self.skipped
+
 
 class TrainStep:
     def __init__(
