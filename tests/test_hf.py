@@ -295,6 +295,9 @@ def test_bert_base_exports_as_native_bert(tmp_path):
                 "type_vocab_size": 2,
             },
         ),
+        # the ALiBi distance bias, with the default slopes and with given ones
+        ("tiny", {**TINY, "attention_bias": "alibi"}),
+        ("tiny", {**TINY, "attention_bias": "alibi", "alibi_slopes": [0.5, 0.0]}),
     ],
 )
 def test_every_arch_option_exports_as_crammed_bert(tmp_path, name, overrides):

@@ -135,9 +135,43 @@ def test_attention_backends_agree(with_padding):
     torch.testing.assert_close(ATTENTION["sdpa"](q, k, v, mask, 0.0), reference, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("with_padding", [False, True])
+def test_attention_backends_agree_with_a_bias(with_padding):
+    q, k, v = (torch.randn(2, 3, 7, 8) for _ in range(3))
+    bias = -torch.rand(3, 7, 7) * 4
+    mask = None
+    if with_padding:
+        mask = torch.ones(2, 7, dtype=torch.bool)
+        mask[1, 4:] = False
+    reference = ATTENTION["eager"](q, k, v, mask, 0.0, bias)
+    torch.testing.assert_close(ATTENTION["sdpa"](q, k, v, mask, 0.0, bias), reference, rtol=1e-5, atol=1e-5)
+    # the bias changes the result: the test is not vacuous
+    assert not torch.allclose(reference, ATTENTION["eager"](q, k, v, mask, 0.0))
+
+
+def test_alibi_bias_is_minus_slope_times_distance():
+    model = BertForMLM(tiny(attention_bias="alibi", num_heads=2), VOCAB)
+    bias = model.encoder.blocks[0].attention.distance_bias(4, torch.device("cpu"))
+    assert bias.shape == (2, 4, 4)
+    torch.testing.assert_close(bias[0, 0], torch.tensor([0.0, -1.0, -2.0, -3.0]))
+    torch.testing.assert_close(bias[1, 3], torch.tensor([-0.75, -0.5, -0.25, 0.0]))  # slope 1/4
+    assert BertForMLM(tiny(), VOCAB).encoder.blocks[0].attention.distance_bias(4, torch.device("cpu")) is None
+    assert not any("slopes" in key for key in model.state_dict())  # rebuilt from the arch, never saved
+
+
+def test_alibi_config_errors_name_the_fix():
+    with pytest.raises(ValueError, match="arch.alibi_slopes"):
+        tiny(attention_bias="alibi", num_heads=2, alibi_slopes=[1.0])
+    with pytest.raises(ValueError, match="arch.attention_bias"):
+        tiny(attention_bias="rotary")
+    with pytest.raises(ValueError, match="impl.attention=sdpa"):
+        BertForMLM(tiny(attention_bias="alibi"), VOCAB, attention="triton")
+
+
+@pytest.mark.parametrize("attention_bias", ["none", "alibi"])
 @pytest.mark.parametrize("attention", ["eager", "sdpa"])
-def test_padded_tokens_do_not_change_real_ones(attention):
-    model = BertForMLM(tiny(), VOCAB, dropout=0.0, attention=attention).eval()
+def test_padded_tokens_do_not_change_real_ones(attention, attention_bias):
+    model = BertForMLM(tiny(attention_bias=attention_bias), VOCAB, dropout=0.0, attention=attention).eval()
     input_ids = torch.randint(5, VOCAB, (2, 12))
     mask = torch.ones(2, 12, dtype=torch.long)
     mask[1, 8:] = 0

@@ -27,6 +27,7 @@ except ImportError:  # 4.x initializes first, then loads
 FFN_KINDS = ("glu", "gelu")
 NORM_SCHEMES = ("pre", "post")
 POSITION_EMBEDDINGS = ("scaled-sinusoidal", "learned")
+ATTENTION_BIASES = ("none", "alibi")
 CLASSIFIER_POOLINGS = ("zero_index",)  # the first token ([CLS]) represents the sequence
 
 
@@ -52,6 +53,8 @@ class CrammedBertConfig(PretrainedConfig):
         norm_bias: bool = True,
         position_embedding: str = "scaled-sinusoidal",
         max_position_embeddings: int = 128,
+        attention_bias: str = "none",
+        alibi_slopes: list[float] | None = None,
         type_vocab_size: int = 0,
         embedding_norm: bool = True,
         final_norm: bool = True,
@@ -72,6 +75,7 @@ class CrammedBertConfig(PretrainedConfig):
             ("ffn", ffn, FFN_KINDS),
             ("norm_scheme", norm_scheme, NORM_SCHEMES),
             ("position_embedding", position_embedding, POSITION_EMBEDDINGS),
+            ("attention_bias", attention_bias, ATTENTION_BIASES),
             ("classifier_pooling", classifier_pooling, CLASSIFIER_POOLINGS),
         ):
             if value not in allowed:
@@ -87,6 +91,9 @@ class CrammedBertConfig(PretrainedConfig):
         self.norm_bias = norm_bias
         self.position_embedding = position_embedding
         self.max_position_embeddings = max_position_embeddings
+        # alibi: -slope_h * |i - j| added to head h's attention scores; slopes null: 1, 1/4, 1/16, ...
+        self.attention_bias = attention_bias
+        self.alibi_slopes = alibi_slopes
         self.type_vocab_size = type_vocab_size
         self.embedding_norm = embedding_norm
         self.final_norm = final_norm
@@ -176,12 +183,25 @@ class SelfAttention(nn.Module):
         self.qkv = nn.Linear(config.hidden_size, 3 * config.hidden_size, bias=config.bias)
         self.out = nn.Linear(config.hidden_size, config.hidden_size, bias=config.bias)
         self.dropout_p = config.attention_probs_dropout_prob
+        # ALiBi slopes as plain floats, not a buffer (transformers 5 never fills unsaved buffers)
+        self.slopes: list[float] | None = None
+        if getattr(config, "attention_bias", "none") == "alibi":
+            given = getattr(config, "alibi_slopes", None)
+            self.slopes = (
+                [float(s) for s in given] if given is not None else [4.0**-h for h in range(self.num_heads)]
+            )
 
     def forward(self, x: torch.Tensor, key_padding_mask: torch.Tensor | None) -> torch.Tensor:
         batch, seq, hidden = x.shape
         qkv = self.qkv(x).view(batch, seq, 3, self.num_heads, hidden // self.num_heads)
         q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each (batch, heads, seq, head_dim)
         mask = None if key_padding_mask is None else key_padding_mask[:, None, None, :]  # True = attend
+        if self.slopes is not None:  # ALiBi: one float mask, the distance bias and -max on padded keys
+            position = torch.arange(seq, device=x.device)
+            distance = (position[:, None] - position[None, :]).abs().float()  # (seq, seq)
+            slopes = torch.tensor(self.slopes, device=x.device)
+            bias = (-slopes[:, None, None] * distance).to(q.dtype)  # (heads, seq, seq)
+            mask = bias if mask is None else bias.masked_fill(~mask, torch.finfo(q.dtype).min)
         y = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, dropout_p=self.dropout_p if self.training else 0.0
         )

@@ -12,6 +12,7 @@ from cramming.errors import check_choice, config_error
 FFN_KINDS = ("glu", "gelu")
 NORM_SCHEMES = ("pre", "post")
 POSITION_EMBEDDINGS = ("scaled-sinusoidal", "learned")
+ATTENTION_BIASES = ("none", "alibi")
 
 
 @dataclass
@@ -33,6 +34,12 @@ class ArchConfig:
     norm_bias: bool = True
     # scaled-sinusoidal: fixed sinusoids times one learned scale (cramming); learned: a table (original BERT)
     position_embedding: str = "scaled-sinusoidal"
+    # an additive bias on the attention scores. none: cramming. alibi: -slope_h * |i - j| for head h (Press et
+    # al. 2022, symmetric), a prior toward nearby tokens; it lets small models leave the unigram plateau within
+    # a few hundred updates where absolute positions alone leave them there (results/cpu-study.md)
+    attention_bias: str = "none"
+    # one slope per head; null: 1, 1/4, 1/16, ... (the first head looks at its neighbours, later ones wider)
+    alibi_slopes: list[float] | None = None
     # longest sequence the position embedding covers; data.seq_length must not exceed it
     max_seq_length: int = 128
     # token-type (segment) embeddings of the original BERT; 0 disables them
@@ -61,6 +68,7 @@ class ArchConfig:
         check_choice("arch.ffn", self.ffn, FFN_KINDS)
         check_choice("arch.norm_scheme", self.norm_scheme, NORM_SCHEMES)
         check_choice("arch.position_embedding", self.position_embedding, POSITION_EMBEDDINGS)
+        check_choice("arch.attention_bias", self.attention_bias, ATTENTION_BIASES)
         for key in ("num_layers", "hidden_size", "num_heads", "intermediate_size", "max_seq_length"):
             if getattr(self, key) < 1:
                 raise config_error(f"arch.{key}", getattr(self, key), "use a positive integer")
@@ -74,6 +82,13 @@ class ArchConfig:
                 self.intermediate_size,
                 "a gated FFN (arch.ffn=glu) needs an even width",
             )
+        if self.alibi_slopes is not None and (
+            len(self.alibi_slopes) != self.num_heads or any(s < 0 for s in self.alibi_slopes)
+        ):
+            raise config_error(
+                "arch.alibi_slopes", self.alibi_slopes,
+                f"give one non-negative slope per head ({self.num_heads}), or null for 1, 1/4, 1/16, ...",
+            )  # fmt: skip
         if self.type_vocab_size < 0:
             raise config_error("arch.type_vocab_size", self.type_vocab_size, "use 0 (no token types) or more")
         if not 0.0 <= self.dropout < 1.0:
@@ -86,3 +101,9 @@ class ArchConfig:
     @property
     def head_size(self) -> int:
         return self.hidden_size // self.num_heads
+
+    def head_slopes(self) -> list[float]:
+        """The ALiBi slope of each head (arch.alibi_slopes, or 4**-h for head h)."""
+        if self.alibi_slopes is not None:
+            return [float(s) for s in self.alibi_slopes]
+        return [4.0**-h for h in range(self.num_heads)]

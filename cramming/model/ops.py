@@ -18,9 +18,10 @@ import torch.nn.functional as F
 
 log = logging.getLogger("cramming")
 
-# attention(q, k, v, key_padding_mask, dropout_p) -> out; q, k, v, out: (batch, heads, seq, head_dim);
-# key_padding_mask: (batch, seq) bool, True = a real token, or None when nothing is padded.
-AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None", float], torch.Tensor]
+# attention(q, k, v, key_padding_mask, dropout_p, bias) -> out; q, k, v, out: (batch, heads, seq, head_dim);
+# key_padding_mask: (batch, seq) bool, True = a real token, or None when nothing is padded; bias: None or an
+# additive (heads, seq, seq) term on the scaled scores (arch.attention_bias), which the Triton kernel lacks.
+AttentionFn = Callable[..., torch.Tensor]
 # layer_norm(x, weight, bias, eps) -> normalized x over its last dimension
 LayerNormFn = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None", float], torch.Tensor]
 # gated_activation(h) -> gate * gelu(value) for h = [gate | value]: (..., 2F) -> (..., F)
@@ -34,9 +35,11 @@ class KernelUnavailableError(RuntimeError):
     """A Triton kernel was requested with impl.strict_kernels=true but cannot launch here."""
 
 
-def eager_attention(q, k, v, key_padding_mask=None, dropout_p: float = 0.0):
-    """The reference: softmax(q k^T / sqrt(d)) v, written out."""
+def eager_attention(q, k, v, key_padding_mask=None, dropout_p: float = 0.0, bias=None):
+    """The reference: softmax(q k^T / sqrt(d) + bias) v, written out."""
     scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))  # (batch, heads, seq, seq)
+    if bias is not None:
+        scores = scores + bias
     if key_padding_mask is not None:
         # a large negative number rather than -inf keeps a fully padded row finite
         scores = scores.masked_fill(~key_padding_mask[:, None, None, :], torch.finfo(scores.dtype).min)
@@ -45,13 +48,20 @@ def eager_attention(q, k, v, key_padding_mask=None, dropout_p: float = 0.0):
     return probs @ v
 
 
-def sdpa_attention(q, k, v, key_padding_mask=None, dropout_p: float = 0.0):
+def sdpa_attention(q, k, v, key_padding_mask=None, dropout_p: float = 0.0, bias=None):
     """PyTorch's fused scaled_dot_product_attention (flash / memory-efficient kernels where they apply)."""
     mask = None if key_padding_mask is None else key_padding_mask[:, None, None, :]
+    if bias is not None:  # one float mask: the bias, and the most negative number on padded keys
+        bias = bias.to(q.dtype)
+        mask = bias if mask is None else bias.masked_fill(~mask, torch.finfo(q.dtype).min)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
 
 
-def triton_attention(q, k, v, key_padding_mask=None, dropout_p: float = 0.0):
+def triton_attention(q, k, v, key_padding_mask=None, dropout_p: float = 0.0, bias=None):
+    if bias is not None:
+        raise ValueError(
+            "the Triton attention kernel has no additive bias: use impl.attention=sdpa with arch.attention_bias"
+        )
     from cramming.kernels.attention import flash_attention
 
     return flash_attention(q, k, v, key_padding_mask=key_padding_mask, dropout_p=dropout_p)
