@@ -253,3 +253,30 @@ def test_fine_tuning_in_bf16_autocast_on_cpu(sst2):
     result = finetune(GLUE_TASKS["SST-2"], splits, checkpoint_backbone(checkpoint, impl), cfg, impl, seed=0)
     labels = np.asarray(subset["label"])
     assert result.metrics["SST-2"]["accuracy"] > max(labels.mean(), 1 - labels.mean()) + 0.1
+
+
+def test_length_grouped_epoch_is_a_permutation_of_batches_of_similar_length():
+    from cramming.eval.finetune import Encoded, epoch_order
+
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(3, 60, size=1000)
+    train = Encoded(
+        ids=[[1] * n for n in lengths], type_ids=[[0] * n for n in lengths], labels=np.zeros(1000)
+    )
+    plain = epoch_order(train, 16, np.random.default_rng(1), group_by_length=False)
+    grouped = epoch_order(train, 16, np.random.default_rng(1), group_by_length=True)
+    assert sorted(grouped.tolist()) == list(range(1000))  # every example once
+    batches = [grouped[i : i + 16] for i in range(0, 1000, 16)]
+
+    def padded(order):  # tokens after padding each batch of 16 to its longest
+        return sum(
+            lengths[order[i : i + 16]].max() * len(order[i : i + 16]) for i in range(0, len(order), 16)
+        )
+
+    assert padded(grouped) < 0.75 * padded(plain)
+    # the batches come from random places: consecutive batches are not sorted by length end to end
+    firsts = [lengths[b].max() for b in batches[:-1]]
+    assert firsts != sorted(firsts, reverse=True)
+    # a different seed draws different batches
+    again = epoch_order(train, 16, np.random.default_rng(2), group_by_length=True)
+    assert not np.array_equal(again, grouped)

@@ -86,6 +86,9 @@ class EvalConfig:
     optim: OptimConfig = field(default_factory=_glue_sane_optim)
     # the classifier head (cramming's by default; eval.head.dim=0: a bare linear layer)
     head: HeadConfig = field(default_factory=HeadConfig)
+    # batches of similar length (sorted within windows of 50 batches, batch order shuffled): less padding, the
+    # same examples per epoch; false: plain random batches (GLUE-sane)
+    group_by_length: bool = False
     # a steps-* schedule of cramming.train.schedules.LR_SCHEDULES
     schedule: str = "steps-cosine"
     # fraction of the steps spent warming up linearly
