@@ -1,0 +1,166 @@
+"""Tables and a plot of the CPU study (results/cpu-study.md) from its GLUE evaluation folders.
+
+Each evaluation folder holds glue_results.json (eval.py writes it), which also carries the pretraining run's
+updates, time and held-out MLM / context-use figures. Give each folder a label:
+
+    python scripts/cpu_study.py tiny-60=outputs/cpu-study-glue-tiny-60min/<timestamp> \
+        tiny-scratch=outputs/cpu-study-glue-tiny-scratch/<timestamp> ... --out results/cpu-study
+
+Prints markdown tables (GLUE dev scores per task: median over seeds, [min, max]; pretraining figures; time
+of every phase; pretrained-vs-scratch margins) and writes glue_vs_minutes.png under --out. Labels
+`<arch>-scratch` are the no-pretraining baselines of `<arch>-*`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import numpy as np
+
+from cramming.eval.scores import EntryScore, summarize
+
+TASKS = ("SST-2", "MRPC", "STS-B", "RTE", "CoLA")
+# Turc et al. (2019), GLUE test set (../shared/docs/REFERENCE.md): SST-2 acc, MRPC F1, STS-B Pearson, RTE acc,
+# CoLA Matthews
+TURC = {
+    "BERT-Tiny": {"SST-2": 83.2, "MRPC": 81.1, "STS-B": 74.3, "RTE": 57.2, "CoLA": 0.0},
+    "BERT-Mini": {"SST-2": 85.9, "MRPC": 81.1, "STS-B": 75.4, "RTE": 57.9, "CoLA": 0.0},
+}
+
+
+def load(folder: Path) -> dict:
+    path = folder / "glue_results.json" if folder.is_dir() else folder
+    if not path.exists():
+        raise SystemExit(f"{path}: no glue_results.json; give the folder an `eval.py` run wrote")
+    return json.loads(path.read_text())
+
+
+def entry_scores(results: dict) -> dict[str, EntryScore]:
+    per_entry: dict[str, list[dict[str, float]]] = {}
+    for run in results["runs"]:
+        for entry, metrics in run["metrics"].items():
+            per_entry.setdefault(entry, []).append(metrics)
+    return summarize(per_entry)
+
+
+def average(scores: dict[str, EntryScore]) -> float | None:
+    if not all(t in scores for t in TASKS):
+        return None
+    return float(np.mean([100 * scores[t].median for t in TASKS]))
+
+
+def cell(score: EntryScore | None) -> str:
+    if score is None:
+        return "—"
+    lo, hi = 100 * min(score.per_seed), 100 * max(score.per_seed)
+    spread = f" [{lo:.1f}, {hi:.1f}]" if len(score.per_seed) > 1 else " (1 seed)"
+    return f"{100 * score.median:.1f}{spread}"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("runs", nargs="+", help="label=evaluation folder")
+    parser.add_argument("--out", type=Path, default=None, help="folder for glue_vs_minutes.png")
+    args = parser.parse_args(argv)
+    runs = {}
+    for spec in args.runs:
+        label, sep, folder = spec.partition("=")
+        if not sep:
+            raise SystemExit(
+                f"{spec!r}: give label=folder, e.g. tiny-60=outputs/cpu-study-glue-tiny-60min/<ts>"
+            )
+        results = load(Path(folder))
+        runs[label] = (results, entry_scores(results))
+
+    print("| model | " + " | ".join(TASKS) + " | Avg |")
+    print("|---" * (len(TASKS) + 2) + "|")
+    for label, (_, scores) in runs.items():
+        avg = average(scores)
+        cells = [cell(scores.get(t)) for t in TASKS]
+        print(f"| {label} | " + " | ".join(cells) + f" | {'—' if avg is None else f'{avg:.1f}'} |")
+    for name, figures in TURC.items():
+        values = [figures[t] for t in TASKS]
+        print(
+            f"| {name} (Turc et al., test) | "
+            + " | ".join(f"{v:.1f}" for v in values)
+            + f" | {np.mean(values):.1f} |"
+        )
+
+    print("\n| model | updates | pretraining min | val MLM loss | val MLM acc | masked loss real | shuffled | gain |"
+          " unigram entropy | fine-tuning min (all tasks x seeds) | seeds |")  # fmt: skip
+    print("|---" * 11 + "|")
+    for label, (results, _) in runs.items():
+        pre = results.get("pretraining") or {}
+        val = pre.get("validation") or {}
+        seconds = sum(run["seconds"] for run in results["runs"])
+        seeds = sorted({run["seed"] for run in results["runs"]})
+
+        def fmt(key: str, digits: int = 3, val: dict = val) -> str:
+            value = val.get(key)
+            return "—" if value is None else f"{value:.{digits}f}"
+
+        print(
+            f"| {label} | {pre.get('updates', '—')} | {60 * pre.get('elapsed_h', 0.0):.1f} | {fmt('loss')} |"
+            f" {fmt('mlm_acc')} | {fmt('context_loss_real')} | {fmt('context_loss_shuffled')} |"
+            f" {fmt('context_gain')} | {fmt('context_unigram_entropy')} | {seconds / 60:.1f} | {len(seeds)} |"
+        )
+
+    margins = []
+    for label, (_, scores) in runs.items():
+        arch = label.split("-")[0]
+        base = runs.get(f"{arch}-scratch")
+        if base is None or label == f"{arch}-scratch":
+            continue
+        for task in TASKS:
+            ours, theirs = scores.get(task), base[1].get(task)
+            if ours is None or theirs is None:
+                continue
+            margin = 100 * (ours.median - theirs.median)
+            spread = 100 * max(ours.spread, theirs.spread)
+            verdict = "yes" if margin > spread else "no"
+            margins.append(f"| {label} | {task} | {margin:+.1f} | {spread:.1f} | {verdict} |")
+    if margins:
+        print(
+            "\n| model | task | median - scratch median | larger seed spread (max - min) | beats scratch by more |"
+        )
+        print("|---|---|---|---|---|")
+        print("\n".join(margins))
+
+    if args.out is not None:
+        plot(runs, args.out)
+
+
+def plot(runs: dict, out: Path) -> None:
+    from matplotlib.figure import Figure
+
+    by_arch: dict[str, list[tuple[float, float]]] = {}
+    for label, (results, scores) in runs.items():
+        avg = average(scores)
+        if avg is None:
+            continue
+        minutes = 60 * (results.get("pretraining") or {}).get("elapsed_h", 0.0)
+        by_arch.setdefault(label.split("-")[0], []).append((minutes, avg))
+    if not by_arch:
+        return
+    fig = Figure(figsize=(5, 3.5))
+    ax = fig.add_subplot()
+    for arch, points in sorted(by_arch.items()):
+        points.sort()
+        ax.plot([m for m, _ in points], [a for _, a in points], marker="o", label=f"{arch} (ours, dev)")
+    for name, figures in TURC.items():
+        ax.axhline(np.mean([figures[t] for t in TASKS]), linestyle="--", linewidth=1, label=f"{name} (test)")
+    ax.set_xlabel("pretraining minutes (1 CPU thread)")
+    ax.set_ylabel(f"GLUE average ({', '.join(TASKS)})")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    out.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out / "glue_vs_minutes.png", dpi=120)
+    print(f"\nplot: {out / 'glue_vs_minutes.png'}")
+
+
+if __name__ == "__main__":
+    main()
