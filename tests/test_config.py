@@ -80,3 +80,27 @@ def test_run_directory_is_predictable():
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = hydra_compose("pretrain", overrides=["name=myrun", "base_dir=/runs"], return_hydra_config=True)
     assert cfg.hydra.run.dir.startswith("/runs/myrun/")
+
+
+def test_cpu_study_sweep_composes_to_its_documented_recipe():
+    # results/cpu-study.md's one-line command: the sweep file must give exactly these settings
+    cfg = validate(_compose("+sweep=cpu-study", "arch=bert-tiny", "budget=1"))
+    assert cfg.arch.name == "bert-tiny" and cfg.arch.attention_bias == "alibi"
+    assert cfg.data.tokenizer.vocab_size == 8192
+    assert cfg.data.sources["local"].files.startswith("../shared/data/wikipedia-en-2015/")
+    assert (cfg.train.batch_size, cfg.train.batch_size_ramp, cfg.impl.cpu_threads) == (64, 0, 1)
+    mini = validate(_compose("+sweep=cpu-study", "arch=bert-mini"))
+    assert mini.arch.name == "bert-mini" and mini.arch.attention_bias == "alibi"
+
+
+@pytest.mark.parametrize("recipe", sorted(p.stem for p in (CONF_DIR / "eval").glob("*.yaml")))
+def test_every_eval_recipe_validates(recipe):
+    from cramming.eval.config import EvalRunConfig
+
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = validate(compose("eval", overrides=["checkpoint=x", f"eval={recipe}"]), EvalRunConfig)
+    assert cfg.eval.name == recipe
+    if recipe == "glue-small":
+        assert (
+            cfg.eval.group_by_length and cfg.eval.optim.lr == 1e-3 and cfg.eval.per_task["SST-2"].epochs == 1
+        )
