@@ -45,6 +45,15 @@ def entry_scores(results: dict) -> dict[str, EntryScore]:
     return summarize(per_entry)
 
 
+def pretraining_card(results: dict) -> dict | None:
+    """The run card of the pretraining run an evaluation used (its checkpoint folder's parent)."""
+    checkpoint = Path(results.get("checkpoint", ""))
+    for folder in (checkpoint, checkpoint.parent):
+        if (folder / "run_card.json").exists():
+            return json.loads((folder / "run_card.json").read_text())
+    return None
+
+
 def average(scores: dict[str, EntryScore]) -> float | None:
     if not all(t in scores for t in TASKS):
         return None
@@ -107,6 +116,20 @@ def main(argv: list[str] | None = None) -> None:
             f"| {label} | {pre.get('updates', '—')} | {60 * pre.get('elapsed_h', 0.0):.1f} | {fmt('loss')} |"
             f" {fmt('mlm_acc')} | {fmt('context_loss_real')} | {fmt('context_loss_shuffled')} |"
             f" {fmt('context_gain')} | {fmt('context_unigram_entropy')} | {seconds / 60:.1f} | {len(seeds)} |"
+        )
+
+    print(
+        "\n| model | preprocessing s (cached: 0) | pretraining s | final validation s | fine-tuning s | evaluation run s |"
+    )
+    print("|---|---|---|---|---|---|")
+    for label, (results, _) in runs.items():
+        card = pretraining_card(results)
+        seconds = (card or {}).get("seconds", {})
+        tuning = sum(run["seconds"] for run in results["runs"])
+        total = results.get("seconds")  # the whole evaluation run
+        print(
+            f"| {label} | {seconds.get('data', float('nan')):.1f} | {seconds.get('train', float('nan')):.0f} |"
+            f" {seconds.get('eval', float('nan')):.1f} | {tuning:.0f} | {'—' if total is None else f'{total:.0f}'} |"
         )
 
     margins = []
