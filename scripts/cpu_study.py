@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> None:
         )
 
     print(
-        "\n| model | preprocessing s (cached: 0) | pretraining s | final validation s | fine-tuning s | evaluation run s |"
+        "\n| model | data s (preprocessed earlier: load only) | pretraining s | final validation s | fine-tuning s | evaluation run s |"
     )
     print("|---|---|---|---|---|---|")
     for label, (results, _) in runs.items():
