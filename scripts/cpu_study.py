@@ -174,10 +174,17 @@ def plot(runs: dict, out: Path) -> None:
     for arch, points in sorted(by_arch.items()):
         points.sort()
         ax.plot([m for m, _ in points], [a for _, a in points], marker="o", label=f"{arch} (ours, dev)")
-    for name, figures in TURC.items():
-        ax.axhline(np.mean([figures[t] for t in TASKS]), linestyle="--", linewidth=1, label=f"{name} (test)")
+    for color, (name, figures) in zip(("C3", "C4"), TURC.items(), strict=True):
+        ax.axhline(
+            np.mean([figures[t] for t in TASKS]),
+            color=color,
+            linestyle="--",
+            linewidth=1,
+            label=f"{name} (test)",
+        )
     ax.set_xlabel("pretraining minutes (1 CPU thread)")
-    ax.set_ylabel(f"GLUE average ({', '.join(TASKS)})")
+    ax.set_ylabel("GLUE average of 5 tasks")
+    ax.set_title(", ".join(TASKS), fontsize=8)
     ax.legend(fontsize=7)
     fig.tight_layout()
     out.mkdir(parents=True, exist_ok=True)
