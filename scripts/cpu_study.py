@@ -144,7 +144,10 @@ def main(argv: list[str] | None = None) -> None:
                 continue
             margin = 100 * (ours.median - theirs.median)
             spread = 100 * max(ours.spread, theirs.spread)
-            verdict = "yes" if margin > spread else "no"
+            if min(len(ours.per_seed), len(theirs.per_seed)) < 2:
+                verdict = "— (one seed: no spread to compare with)"
+            else:
+                verdict = "yes" if margin > spread else "no"
             margins.append(f"| {label} | {task} | {margin:+.1f} | {spread:.1f} | {verdict} |")
     if margins:
         print(
