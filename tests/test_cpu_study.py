@@ -1,0 +1,60 @@
+"""scripts/cpu_study.py: the study's tables from evaluation folders."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "cpu_study.py"
+METRIC = {
+    "SST-2": "accuracy",
+    "MRPC": "f1",
+    "STS-B": "pearson",
+    "RTE": "accuracy",
+    "CoLA": "matthews_correlation",
+}
+
+
+def load_script():
+    spec = importlib.util.spec_from_file_location("cpu_study", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def write_eval(folder: Path, scores: dict[str, list[float]], minutes: float) -> Path:
+    runs = [
+        {"task": task, "seed": seed, "metrics": {task: {METRIC[task]: value}}, "seconds": 10.0}
+        for task, values in scores.items()
+        for seed, value in enumerate(values)
+    ]
+    folder.mkdir(parents=True)
+    results = {"checkpoint": str(folder / "none"), "runs": runs, "seconds": 50.0,
+               "pretraining": {"updates": 7, "elapsed_h": minutes / 60, "validation": {"loss": 5.0}}}  # fmt: skip
+    (folder / "glue_results.json").write_text(json.dumps(results))
+    return folder
+
+
+def test_margins_count_only_when_larger_than_the_seed_spread(tmp_path, capsys):
+    base = {task: [0.50, 0.52, 0.51] for task in METRIC}
+    better = {**base, "SST-2": [0.60, 0.61, 0.62], "RTE": [0.51, 0.53, 0.60]}
+    scratch = write_eval(tmp_path / "scratch", base, 0.0)
+    pretrained = write_eval(tmp_path / "pre", better, 60.0)
+    load_script().main(
+        [f"tiny-scratch={scratch}", f"tiny-60min={pretrained}", "--out", str(tmp_path / "out")]
+    )
+    out = capsys.readouterr().out
+    assert "| tiny-60min | SST-2 | +10.0 | 2.0 | yes |" in out  # 61 - 51, spreads 2 and 2
+    assert "| tiny-60min | RTE | +2.0 | 9.0 | no |" in out  # 53 - 51 is inside RTE's spread of 9
+    assert "| tiny-60min | 7 | 60.0 | 5.000 |" in out
+    assert (tmp_path / "out" / "glue_vs_minutes.png").stat().st_size > 0
+
+
+def test_one_seed_has_no_spread_to_judge_by(tmp_path, capsys):
+    one = {task: [0.5] for task in METRIC}
+    scratch = write_eval(tmp_path / "scratch", one, 0.0)
+    pretrained = write_eval(tmp_path / "pre", {task: [0.6] for task in METRIC}, 60.0)
+    load_script().main([f"mini-scratch={scratch}", f"mini-60min={pretrained}"])
+    out = capsys.readouterr().out
+    assert "one seed: no spread" in out and "| yes |" not in out
