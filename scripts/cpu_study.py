@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from cramming.eval.scores import EntryScore, summarize
+from cramming.eval.scores import EntryScore, glue_average, summarize
 
 TASKS = ("SST-2", "MRPC", "STS-B", "RTE", "CoLA")
 # Turc et al. (2019), GLUE test set (../shared/docs/REFERENCE.md): SST-2 acc, MRPC F1, STS-B Pearson, RTE acc,
@@ -55,9 +55,10 @@ def pretraining_card(results: dict) -> dict | None:
 
 
 def average(scores: dict[str, EntryScore]) -> float | None:
+    """The GLUE average ×100 over the five tasks, or None when one is missing (no partial averages here)."""
     if not all(t in scores for t in TASKS):
         return None
-    return float(np.mean([100 * scores[t].median for t in TASKS]))
+    return 100 * glue_average({t: scores[t] for t in TASKS})[0]
 
 
 def cell(score: EntryScore | None) -> str:

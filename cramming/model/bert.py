@@ -121,13 +121,8 @@ class SelfAttention(nn.Module):
         batch, seq, hidden = x.shape
         qkv = self.qkv(x).view(batch, seq, 3, self.num_heads, hidden // self.num_heads)
         q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each (batch, heads, seq, head_dim)
-        bias = self.distance_bias(seq, x.device)
         dropout = self.dropout_p if self.training else 0.0
-        y = (
-            self.fn(q, k, v, key_padding_mask, dropout)
-            if bias is None
-            else self.fn(q, k, v, key_padding_mask, dropout, bias)
-        )
+        y = self.fn(q, k, v, key_padding_mask, dropout, self.distance_bias(seq, x.device))
         return self.out(y.transpose(1, 2).reshape(batch, seq, hidden))  # (batch, seq, hidden)
 
 
