@@ -16,7 +16,7 @@ from cramming.errors import ConfigError, DataSourceError
 from cramming.eval.config import EvalConfig, EvalRunConfig
 from cramming.eval.finetune import finetune
 from cramming.eval.glue_data import load_local
-from cramming.eval.run import RESULTS_JSON, RESULTS_TABLE, checkpoint_backbone, run_glue
+from cramming.eval.run import RESULTS_JSON, RESULTS_TABLE, RUNS_JSON, checkpoint_backbone, recipe_of, run_glue
 from cramming.eval.tasks import GLUE_TASKS
 from cramming.impl import ImplConfig
 from cramming.model import ArchConfig, build_model
@@ -280,3 +280,95 @@ def test_length_grouped_epoch_is_a_permutation_of_batches_of_similar_length():
     # a different seed draws different batches
     again = epoch_order(train, 16, np.random.default_rng(2), group_by_length=True)
     assert not np.array_equal(again, grouped)
+
+
+def test_an_interrupted_evaluation_keeps_its_finished_runs_and_resume_takes_them_up(
+    sst2, tmp_path, glue_dir, monkeypatch
+):
+    """Each finished (task, seed) is on disk at once; resume=true fine-tunes only what is missing and reports
+    the earlier run's scores unchanged."""
+    import cramming.eval.finetune as finetuning
+
+    _, checkpoint = sst2
+    real, tuned = finetuning.finetune, []
+
+    def interrupted_on_sts_b(task, *args, **kwargs):
+        tuned.append(task.name)
+        if task.name == "STS-B":
+            raise KeyboardInterrupt  # the user stops the evaluation during its second task
+        return real(task, *args, **kwargs)
+
+    monkeypatch.setattr(finetuning, "finetune", interrupted_on_sts_b)
+    cfg = EvalRunConfig(
+        eval=small_eval(glue_dir, tasks=["RTE", "STS-B"]),
+        impl=ImplConfig(device="cpu"),
+        checkpoint=str(checkpoint),
+        base_dir=str(tmp_path),
+        name="glue-x",
+    )
+    backbone = checkpoint_backbone(checkpoint, cfg.impl)
+    first = tmp_path / "glue-x" / "2026-01-01_00-00-00"
+    with pytest.raises(KeyboardInterrupt):
+        run_glue(cfg, backbone, first)
+    kept = json.loads((first / RUNS_JSON).read_text())["runs"]
+    assert [(run["task"], run["seed"]) for run in kept] == [("RTE", 0)]
+    assert not (first / RESULTS_JSON).exists()
+
+    def counted(task, *args, **kwargs):
+        tuned.append(task.name)
+        return real(task, *args, **kwargs)
+
+    monkeypatch.setattr(finetuning, "finetune", counted)
+    tuned.clear()
+    second = tmp_path / "glue-x" / "2026-01-01_00-10-00"
+    report = run_glue(replace(cfg, resume=True), backbone, second)
+    assert tuned == ["STS-B"]
+    assert report["reused_runs"] == 1
+    assert report["runs"][0]["metrics"] == kept[0]["metrics"]
+    assert report["runs"][0]["reused_from"] == str(first)
+    assert set(report["scores"]) == {"RTE", "STS-B"}
+    assert len(json.loads((second / RUNS_JSON).read_text())["runs"]) == 2  # a later resume finds both
+    assert "Reused (resume=true): 1 of 2 runs" in (second / RESULTS_TABLE).read_text()
+
+
+def test_resume_refuses_another_recipe_and_reruns_what_the_budget_cut_short(
+    sst2, tmp_path, glue_dir, monkeypatch
+):
+    import cramming.eval.finetune as finetuning
+    from cramming.eval.finetune import TaskResult
+
+    _, checkpoint = sst2
+    cfg = EvalRunConfig(
+        eval=small_eval(glue_dir, tasks=["RTE"]),
+        impl=ImplConfig(device="cpu"),
+        checkpoint=str(checkpoint),
+        base_dir=str(tmp_path),
+        name="glue-y",
+        resume=True,
+    )
+    backbone = checkpoint_backbone(checkpoint, cfg.impl)
+    here = tmp_path / "glue-y" / "2026-01-01_00-10-00"
+    with pytest.raises(ConfigError, match="no earlier evaluation named 'glue-y'.*drop resume=true"):
+        run_glue(cfg, backbone, here)
+
+    earlier = tmp_path / "glue-y" / "2026-01-01_00-00-00"
+    earlier.mkdir(parents=True)
+    cut = {"task": "RTE", "seed": 0, "metrics": {"RTE": {"accuracy": 0.5}}, "train_examples": 48, "steps": 1,
+           "seconds": 1.0, "final_loss": 0.7, "stopped_by_budget": True}  # fmt: skip
+    source = str(backbone.info["checkpoint"])
+    other = replace(cfg, eval=replace(cfg.eval, optim=replace(cfg.eval.optim, lr=3e-4)))
+    (earlier / RUNS_JSON).write_text(json.dumps({"recipe": recipe_of(other, source), "runs": [cut]}))
+    with pytest.raises(ConfigError, match=r"eval.optim.lr: 0.0003 there, 0.001 here"):
+        run_glue(cfg, backbone, here)
+
+    (earlier / RUNS_JSON).write_text(json.dumps({"recipe": recipe_of(cfg, source), "runs": [cut]}))
+    tuned = []
+
+    def fake(task, *args, **kwargs):
+        tuned.append(task.name)
+        return TaskResult({"RTE": {"accuracy": 0.75}}, 48, 3, 0.1, 0.6, stopped_by_budget=False)
+
+    monkeypatch.setattr(finetuning, "finetune", fake)
+    report = run_glue(cfg, backbone, here)
+    assert tuned == ["RTE"] and report["reused_runs"] == 0  # a run the budget stopped is not a finished one
+    assert report["scores"]["RTE"]["median"] == 0.75

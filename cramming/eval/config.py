@@ -156,6 +156,10 @@ class EvalRunConfig:
     base_dir: str = "outputs"
     # optional wall-clock budget for the whole evaluation, in hours; tasks not started in time are skipped
     budget: float | None = None
+    # take the finished (task, seed) runs of the newest earlier evaluation of this `name` (its glue_runs.json,
+    # written after every run) instead of fine-tuning them again; it must have used the same checkpoint and
+    # recipe. The new folder gets the whole result
+    resume: bool = False
 
     def __post_init__(self) -> None:
         if self.budget is not None and self.budget <= 0:

@@ -13,7 +13,7 @@ import copy
 import logging
 import math
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 
 import datasets
@@ -242,22 +242,35 @@ def finetune_tasks(
     impl: ImplConfig,
     seeds: list[int],
     clock: BudgetClock | None = None,
+    done: Mapping[tuple[str, int], dict] | None = None,
+    on_run: Callable[[dict], None] | None = None,
 ) -> GlueRuns:
-    """Fine-tune `backbone` on each task with each seed, until `clock` (if any) runs out."""
+    """Fine-tune `backbone` on each task with each seed, until `clock` (if any) runs out.
+
+    A (task, seed) found in `done` (the records of an earlier evaluation: resume=true) is taken from there
+    instead of fine-tuned again. `on_run` gets every record as soon as it is there, so that an evaluation
+    cut short keeps what it finished.
+    """
     out = GlueRuns()
     for task, splits in jobs:
         if clock is not None and clock.expired():
             out.not_run.append(task.name)
             continue
         for seed in seeds:
-            result = finetune(task, splits, backbone, cfg, impl, seed, clock)
-            for entry, metrics in result.metrics.items():
+            record = (done or {}).get((task.name, seed))
+            if record is None:
+                result = finetune(task, splits, backbone, cfg, impl, seed, clock)
+                record = {"task": task.name, "seed": seed} | asdict(result)
+            for entry, metrics in record["metrics"].items():
                 out.per_entry.setdefault(entry, []).append(metrics)
                 log.info(
-                    "%s seed %d: %s", entry, seed, ", ".join(f"{k} {100 * v:.2f}" for k, v in metrics.items())
-                )
-            out.runs.append({"task": task.name, "seed": seed} | asdict(result))
-            if result.stopped_by_budget:
+                    "%s seed %d: %s%s", entry, seed, ", ".join(f"{k} {100 * v:.2f}" for k, v in metrics.items()),
+                    f" (reused from {record['reused_from']})" if "reused_from" in record else "",
+                )  # fmt: skip
+            out.runs.append(record)
+            if on_run is not None:
+                on_run(record)
+            if record["stopped_by_budget"]:
                 break
     return out
 

@@ -10,7 +10,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from cramming.budget import BudgetClock
-from cramming.errors import DataSourceError
+from cramming.errors import ConfigError, DataSourceError
 from cramming.eval.backbone import Backbone
 from cramming.eval.config import EvalRunConfig
 from cramming.eval.finetune import finetune_tasks
@@ -25,6 +25,10 @@ log = logging.getLogger("cramming")
 
 RESULTS_JSON = "glue_results.json"
 RESULTS_TABLE = "glue_results.md"
+# every (task, seed) finished so far and the recipe they ran with, rewritten after each: what resume=true reads
+RUNS_JSON = "glue_runs.json"
+# the settings of impl that change what fine-tuning computes (the rest change only its speed)
+IMPL_NUMERICS = ("device", "precision", "attention", "layernorm", "ffn_activation")
 
 
 def checkpoint_backbone(
@@ -75,13 +79,74 @@ def load_tasks(cfg: EvalRunConfig) -> tuple[list, list[str], dict[str, list[str]
     return jobs, skipped, bad_rows
 
 
+def recipe_of(cfg: EvalRunConfig, source: str) -> dict:
+    """What a fine-tuning run's result depends on besides its task and seed, as JSON reads it back."""
+    tuning = asdict(cfg.eval)
+    del tuning["tasks"], tuning["seeds"]  # which runs there are, not how each runs
+    if tuning["glue_dir"] is not None:
+        tuning["glue_dir"] = str(Path(tuning["glue_dir"]).resolve())
+    impl = asdict(cfg.impl)
+    recipe = {"checkpoint": source, "eval": tuning, "impl": {key: impl[key] for key in IMPL_NUMERICS}}
+    return json.loads(json.dumps(recipe))
+
+
+def _flat(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and value:
+            out |= _flat(value, f"{prefix}{key}.")
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def earlier_runs(cfg: EvalRunConfig, run_dir: Path, recipe: dict) -> dict[tuple[str, int], dict]:
+    """resume=true: the finished runs of the newest earlier evaluation of cfg.name, keyed by (task, seed).
+
+    Runs the eval budget stopped are left out (they run again). Raises ConfigError when there is no earlier
+    evaluation, or when it used another checkpoint or recipe (naming the settings that differ)."""
+    if not cfg.resume:
+        return {}
+    here = run_dir.resolve()
+    found = sorted(
+        (path for path in (Path(cfg.base_dir) / cfg.name).glob(f"*/{RUNS_JSON}") if path.parent.resolve() != here),
+        key=lambda path: path.parent.name,
+    )  # fmt: skip
+    if not found:
+        raise ConfigError(
+            f"resume=true, but no earlier evaluation named {cfg.name!r} left {RUNS_JSON} under"
+            f" {Path(cfg.base_dir) / cfg.name}: give the `name` of the evaluation to continue, or drop resume=true"
+        )
+    path = found[-1]
+    saved = json.loads(path.read_text())
+    ours, theirs = _flat(recipe), _flat(saved["recipe"])
+    differ = sorted(key for key in ours.keys() | theirs.keys() if ours.get(key) != theirs.get(key))
+    if differ:
+        shown = "; ".join(f"{key}: {theirs.get(key)!r} there, {ours.get(key)!r} here" for key in differ[:4])
+        raise ConfigError(
+            f"resume=true: {path.parent} ran with another checkpoint or recipe ({shown}); resume with the same"
+            " settings, or evaluate afresh under a new `name`"
+        )
+    runs = {
+        (run["task"], run["seed"]): {"reused_from": str(path.parent)} | run
+        for run in saved["runs"]
+        if not run["stopped_by_budget"]
+    }
+    log.info("resume: %d finished runs of %s are reused", len(runs), path.parent)
+    return runs
+
+
 def run_glue(
     cfg: EvalRunConfig, backbone: Backbone, run_dir: Path, clock: Callable[[], float] = time.monotonic
 ) -> dict:
-    """Fine-tune and evaluate every task of cfg.eval.tasks; writes the JSON and markdown table to run_dir."""
+    """Fine-tune and evaluate every task of cfg.eval.tasks; writes the JSON and markdown table to run_dir,
+    and after every finished (task, seed) the runs so far (RUNS_JSON), which resume=true takes up."""
     run_dir.mkdir(parents=True, exist_ok=True)
     budget = BudgetClock(cfg.budget, clock) if cfg.budget is not None else None
     start = time.perf_counter()
+    source = backbone.info.get("checkpoint") or backbone.info.get("path", "")
+    recipe = recipe_of(cfg, source)
+    done = earlier_runs(cfg, run_dir, recipe)
     jobs, skipped, bad_rows = load_tasks(cfg)
     if not jobs:
         raise DataSourceError(
@@ -89,11 +154,23 @@ def run_glue(
             f" {cfg.eval.glue_dir or 'the hub'}; point eval.glue_dir at a copy of GLUE in the original TSV layout"
         )
     seeds = [cfg.seed + seed for seed in cfg.eval.seeds]
-    glue = finetune_tasks(jobs, backbone, cfg.eval, cfg.impl, seeds, budget)
+    finished: list[dict] = []
+
+    def keep(record: dict) -> None:
+        finished.append(record)
+        atomic_write_text(
+            run_dir / RUNS_JSON, json.dumps({"recipe": recipe, "runs": finished}, indent=1) + "\n"
+        )
+
+    glue = finetune_tasks(jobs, backbone, cfg.eval, cfg.impl, seeds, budget, done=done, on_run=keep)
     scores = summarize(glue.per_entry)
     average, used = glue_average(scores)
     table = markdown_table(scores, skipped, glue.not_run) if scores else "No task could be evaluated.\n"
-    source = backbone.info.get("checkpoint") or backbone.info.get("path", "")
+    reused = sum("reused_from" in run for run in glue.runs)
+    if reused:
+        table += (
+            f"Reused (resume=true): {reused} of {len(glue.runs)} runs, fine-tuned earlier with this recipe.\n"
+        )
     report = {
         "checkpoint": source,
         "pretraining": backbone.info.get("pretraining", {}),
@@ -107,6 +184,7 @@ def run_glue(
         "skipped_no_data": skipped,
         "bad_rows_skipped": {task: len(rows) for task, rows in bad_rows.items()},
         "not_run_budget": glue.not_run,
+        "reused_runs": reused,
         "seconds": time.perf_counter() - start,
     }  # fmt: skip
     atomic_write_text(run_dir / RESULTS_JSON, json.dumps(report, indent=2) + "\n")
