@@ -361,6 +361,10 @@ def test_resume_refuses_another_recipe_and_reruns_what_the_budget_cut_short(
     with pytest.raises(ConfigError, match=r"eval.optim.lr: 0.0003 there, 0.001 here"):
         run_glue(cfg, backbone, here)
 
+    (earlier / RUNS_JSON).write_text('{"recipe": {')  # not what run_glue writes (it writes atomically)
+    with pytest.raises(ConfigError, match=r"does not read as an evaluation's runs.*move it away"):
+        run_glue(cfg, backbone, here)
+
     (earlier / RUNS_JSON).write_text(json.dumps({"recipe": recipe_of(cfg, source), "runs": [cut]}))
     tuned = []
 

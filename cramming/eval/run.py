@@ -118,8 +118,15 @@ def earlier_runs(cfg: EvalRunConfig, run_dir: Path, recipe: dict) -> dict[tuple[
             f" {Path(cfg.base_dir) / cfg.name}: give the `name` of the evaluation to continue, or drop resume=true"
         )
     path = found[-1]
-    saved = json.loads(path.read_text())
-    ours, theirs = _flat(recipe), _flat(saved["recipe"])
+    try:
+        saved = json.loads(path.read_text())
+        theirs, kept = _flat(saved["recipe"]), list(saved["runs"])
+    except (ValueError, KeyError, TypeError) as err:
+        raise ConfigError(
+            f"resume=true: {path} does not read as an evaluation's runs ({err!r}); move it away to resume the"
+            " evaluation before it, or drop resume=true"
+        ) from err
+    ours = _flat(recipe)
     differ = sorted(key for key in ours.keys() | theirs.keys() if ours.get(key) != theirs.get(key))
     if differ:
         shown = "; ".join(f"{key}: {theirs.get(key)!r} there, {ours.get(key)!r} here" for key in differ[:4])
@@ -129,7 +136,7 @@ def earlier_runs(cfg: EvalRunConfig, run_dir: Path, recipe: dict) -> dict[tuple[
         )
     runs = {
         (run["task"], run["seed"]): {"reused_from": str(path.parent)} | run
-        for run in saved["runs"]
+        for run in kept
         if not run["stopped_by_budget"]
     }
     log.info("resume: %d finished runs of %s are reused", len(runs), path.parent)
