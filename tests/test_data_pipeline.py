@@ -132,6 +132,27 @@ def test_tokenizer_round_trip_and_special_ids(kind, wiki_texts):
     assert set(pair.type_ids) == {0, 1}
 
 
+def test_a_wordpiece_vocabulary_gets_the_same_ids_every_time_without_changing_any_split(wiki_texts):
+    """The trainer numbers tokens of equal count in hash order, different from one training to the next;
+    renumbered, the same texts give the same tokenizer file, and every word splits as the trainer's would."""
+    from cramming.data.tokenizer import TOKENIZER_KINDS
+
+    norm_cfg, tok_cfg = NormalizerConfig(), TokenizerConfig(kind="wordpiece", vocab_size=2000)
+    norm = build_normalizer(norm_cfg)
+    texts = [norm.normalize_str(t) for t in wiki_texts[:80]]
+    files = {train_tokenizer([texts], tok_cfg, norm_cfg).to_str() for _ in range(4)}
+    assert len(files) == 1
+    ours = train_tokenizer([texts], tok_cfg, norm_cfg)
+    trainers_own, trainer = TOKENIZER_KINDS["wordpiece"](tok_cfg)
+    trainers_own.train_from_iterator([texts], trainer=trainer)
+    trainers_own.normalizer = norm
+    assert set(ours.get_vocab()) == set(trainers_own.get_vocab())
+    sample = " ".join(wiki_texts[100][:3000].split())  # an article the vocabulary was not trained on
+    split = ours.encode(sample, add_special_tokens=False).tokens
+    assert split == trainers_own.encode(sample, add_special_tokens=False).tokens
+    assert len(split) > 300 and "[UNK]" not in split
+
+
 def _non_english(n: int) -> list[str]:
     """Texts in other scripts, each word frequent enough for the trainer to keep its characters."""
     words = ["東京都", "москва", "ελληνικά", "العربية", "हिन्दी"]

@@ -43,7 +43,8 @@ log = logging.getLogger("cramming")
 
 # Bump when a change to this module changes what a given config produces: old caches then stop matching.
 # 2: the tokenizer's training texts are sampled across sources; texts empty after normalization are dropped.
-PIPELINE_VERSION = 2
+# 3: WordPiece ids are renumbered in a fixed order (the trainer's differ between trainings on the same texts).
+PIPELINE_VERSION = 3
 # Written last; a cache folder without it is not complete.
 STATS_FILE = "stats.json"
 # Texts per batch in the map steps; big enough to amortize Python overhead, small enough for memory.

@@ -29,6 +29,8 @@ class SpecialTokens:
 
 
 UNK = SPECIAL_TOKENS[SpecialTokens().unk]
+# longer words become [UNK] (BERT's limit)
+MAX_WORD_CHARS = 100
 
 # Every run of characters outside 7-bit ASCII, deleted by `ascii_only` (cramming's `force_english_keyboard`).
 NON_ASCII = r"[^\x00-\x7F]+"
@@ -59,7 +61,7 @@ def _alphabet_limit(cfg: TokenizerConfig) -> dict[str, int]:
 
 
 def _wordpiece(cfg: TokenizerConfig) -> tuple[Tokenizer, trainers.Trainer]:
-    tok = Tokenizer(models.WordPiece(unk_token=UNK, max_input_chars_per_word=100))
+    tok = Tokenizer(models.WordPiece(unk_token=UNK, max_input_chars_per_word=MAX_WORD_CHARS))
     tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
     tok.decoder = decoders.WordPiece(prefix="##")
     trainer = trainers.WordPieceTrainer(
@@ -70,6 +72,17 @@ def _wordpiece(cfg: TokenizerConfig) -> tuple[Tokenizer, trainers.Trainer]:
         show_progress=True,
     )
     return tok, trainer
+
+
+def _renumber_wordpiece(tok: Tokenizer) -> None:
+    """Give a trained WordPiece vocabulary the same ids every time: the special tokens first, then the rest
+    sorted. The trainer numbers tokens of equal count in hash-map order, which changes from one training to
+    the next (same texts, same vocabulary, some ids swapped). WordPiece splits a word by the longest match
+    in the vocabulary set, so the ids can be renumbered without changing any segmentation."""
+    vocab = tok.get_vocab()
+    rest = sorted(token for token in vocab if token not in SPECIAL_TOKENS)
+    ordered = {token: i for i, token in enumerate([*SPECIAL_TOKENS, *rest])}
+    tok.model = models.WordPiece(ordered, unk_token=UNK, max_input_chars_per_word=MAX_WORD_CHARS)
 
 
 def _byte_level_bpe(cfg: TokenizerConfig) -> tuple[Tokenizer, trainers.Trainer]:
@@ -120,6 +133,8 @@ def train_tokenizer(
     """
     tok, trainer = TOKENIZER_KINDS[cfg.kind](cfg)
     tok.train_from_iterator(texts, trainer=trainer, length=length)
+    if cfg.kind == "wordpiece":
+        _renumber_wordpiece(tok)
     tok.normalizer = build_normalizer(normalizer_cfg)
     special = SpecialTokens()
     for i, token in enumerate(SPECIAL_TOKENS):
