@@ -59,6 +59,17 @@ def atomic_torch_save(obj: object, path: str | os.PathLike) -> None:
         torch.save(obj, f)
 
 
+def flatten(tree: dict, sep: str = ".", prefix: str = "") -> dict[str, object]:
+    """Nested dictionaries as one level, keys joined by `sep` ({"a": {"b": 1}} -> {"a.b": 1})."""
+    flat: dict[str, object] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            flat |= flatten(value, sep, f"{prefix}{key}{sep}")
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
 def newest_run_dir(base_dir: str | os.PathLike, name: str, containing: str) -> Path | None:
     """The newest run folder `{base_dir}/{name}/<timestamp>[_<n>]/` that holds `containing` (a relative path),
     or None.

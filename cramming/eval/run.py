@@ -19,7 +19,7 @@ from cramming.eval.scores import glue_average, markdown_table, summarize
 from cramming.eval.tasks import GLUE_TASKS
 from cramming.impl import ImplConfig
 from cramming.model.checkpoint import load_pretrained
-from cramming.utils import atomic_write_text
+from cramming.utils import atomic_write_text, flatten, newest_run_dir
 
 log = logging.getLogger("cramming")
 
@@ -90,43 +90,29 @@ def recipe_of(cfg: EvalRunConfig, source: str) -> dict:
     return json.loads(json.dumps(recipe))
 
 
-def _flat(tree: dict, prefix: str = "") -> dict:
-    out = {}
-    for key, value in tree.items():
-        if isinstance(value, dict) and value:
-            out |= _flat(value, f"{prefix}{key}.")
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
-
-
-def earlier_runs(cfg: EvalRunConfig, run_dir: Path, recipe: dict) -> dict[tuple[str, int], dict]:
+def earlier_runs(cfg: EvalRunConfig, recipe: dict) -> dict[tuple[str, int], dict]:
     """resume=true: the finished runs of the newest earlier evaluation of cfg.name, keyed by (task, seed).
 
     Runs the eval budget stopped are left out (they run again). Raises ConfigError when there is no earlier
     evaluation, or when it used another checkpoint or recipe (naming the settings that differ)."""
     if not cfg.resume:
         return {}
-    here = run_dir.resolve()
-    found = sorted(
-        (path for path in (Path(cfg.base_dir) / cfg.name).glob(f"*/{RUNS_JSON}") if path.parent.resolve() != here),
-        key=lambda path: path.parent.name,
-    )  # fmt: skip
-    if not found:
+    folder = newest_run_dir(cfg.base_dir, cfg.name, RUNS_JSON)  # this run's own folder has none yet
+    if folder is None:
         raise ConfigError(
             f"resume=true, but no earlier evaluation named {cfg.name!r} left {RUNS_JSON} under"
             f" {Path(cfg.base_dir) / cfg.name}: give the `name` of the evaluation to continue, or drop resume=true"
         )
-    path = found[-1]
+    path = folder / RUNS_JSON
     try:
         saved = json.loads(path.read_text())
-        theirs, kept = _flat(saved["recipe"]), list(saved["runs"])
-    except (ValueError, KeyError, TypeError) as err:
+        theirs, kept = flatten(saved["recipe"]), list(saved["runs"])
+    except (ValueError, KeyError, TypeError, AttributeError) as err:
         raise ConfigError(
             f"resume=true: {path} does not read as an evaluation's runs ({err!r}); move it away to resume the"
             " evaluation before it, or drop resume=true"
         ) from err
-    ours = _flat(recipe)
+    ours = flatten(recipe)
     differ = sorted(key for key in ours.keys() | theirs.keys() if ours.get(key) != theirs.get(key))
     if differ:
         shown = "; ".join(f"{key}: {theirs.get(key)!r} there, {ours.get(key)!r} here" for key in differ[:4])
@@ -153,7 +139,7 @@ def run_glue(
     start = time.perf_counter()
     source = backbone.info.get("checkpoint") or backbone.info.get("path", "")
     recipe = recipe_of(cfg, source)
-    done = earlier_runs(cfg, run_dir, recipe)
+    done = earlier_runs(cfg, recipe)
     jobs, skipped, bad_rows = load_tasks(cfg)
     if not jobs:
         raise DataSourceError(

@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from cramming.errors import ConfigError
+from cramming.utils import flatten
 
 TENSORBOARD_DIR = "tensorboard"
 
@@ -28,23 +29,13 @@ class TensorBoardWriter:
     def write(self, record: dict) -> None:
         """Every number of a metrics record as a scalar at its update; nested dicts (anytime scores) as a/b."""
         step = int(record.get("update", 0))
-        for name, value in _flatten(record):
+        for name, value in flatten(record, "/").items():
             if name != "update" and isinstance(value, int | float) and not isinstance(value, bool):
                 self.writer.add_scalar(name, value, step)
         self.writer.flush()
 
     def close(self) -> None:
         self.writer.close()
-
-
-def _flatten(record: dict, prefix: str = "") -> list[tuple[str, object]]:
-    items = []
-    for key, value in record.items():
-        if isinstance(value, dict):
-            items += _flatten(value, f"{prefix}{key}/")
-        else:
-            items.append((f"{prefix}{key}", value))
-    return items
 
 
 def open_tensorboard(enabled: bool, run_dir: Path) -> TensorBoardWriter | None:
