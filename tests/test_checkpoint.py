@@ -3,6 +3,7 @@ data position and the budget's elapsed time, and ends where an uninterrupted run
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -18,6 +19,8 @@ from test_train import (
     send_signal_after,
     synthetic_data,
 )
+from tokenizers import Tokenizer
+from tokenizers.models import WordLevel
 
 from cramming.errors import ConfigError
 from cramming.model import BertForMLM, build_model
@@ -153,6 +156,49 @@ def test_resume_with_another_arch_fails_clearly(tmp_path, monkeypatch):
     other = make_config(tmp_path, "budget=0.1", "resume=true", "arch.num_layers=3")
     with pytest.raises(ConfigError, match="another arch"):
         loop.train(other, synthetic_data(tmp_path), run_dir(other, "2026-01-01_00-00-01"))
+
+
+def _stopped_after_two_updates(tmp_path, monkeypatch):
+    send_signal_after(monkeypatch, 2, signal.SIGTERM)
+    cfg = make_config(tmp_path, "budget=0.1")
+    loop.train(cfg, synthetic_data(tmp_path), run_dir(cfg))
+    monkeypatch.undo()
+    return make_config(tmp_path, "budget=0.1", "resume=true", "train.steps=3")
+
+
+def _with_vocabulary(data, size: int):
+    vocab = {tok: i for i, tok in enumerate(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"])}
+    vocab.update({f"w{i}": i for i in range(5, size)})
+    return dataclasses.replace(data, tokenizer=Tokenizer(WordLevel(vocab, unk_token="[UNK]")))
+
+
+@pytest.mark.parametrize(
+    "change, named",
+    [
+        (lambda data: _with_vocabulary(data, 300), "tokenizer_sha256"),  # was a size-mismatch traceback
+        (lambda data: dataclasses.replace(data, train=data.train.select(range(1, 256))), "train_rows"),
+        (lambda data: dataclasses.replace(data, train=data.train.shuffle(seed=1)), "rows_sha256"),
+    ],
+    ids=["other-tokenizer", "fewer-rows", "other-order"],
+)
+def test_resume_on_other_data_is_refused_by_name(tmp_path, monkeypatch, change, named):
+    resumed = _stopped_after_two_updates(tmp_path, monkeypatch)
+    other = change(synthetic_data(tmp_path / "elsewhere"))
+    with pytest.raises(ConfigError, match="other data") as caught:
+        loop.train(resumed, other, run_dir(resumed, "2026-01-01_00-00-01"))
+    message = str(caught.value)
+    assert named in message and "there" in message and "here" in message and "resume=false" in message
+
+
+def test_resume_on_the_same_data_is_silent_even_from_another_folder(tmp_path, monkeypatch, caplog):
+    """Identity is by content: the same rows and tokenizer loaded from another path (a moved cache) resume."""
+    resumed = _stopped_after_two_updates(tmp_path, monkeypatch)
+    same = synthetic_data(tmp_path / "moved")
+    caplog.clear()  # the first run's own SIGTERM warning
+    with caplog.at_level(logging.WARNING, logger="cramming"):
+        result = loop.train(resumed, same, run_dir(resumed, "2026-01-01_00-00-01"))
+    assert result.progress.updates == 3
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
 
 
 def test_state_is_written_atomically_and_loads_weights_only(tmp_path, monkeypatch):

@@ -70,6 +70,28 @@ class PretrainingData:
     def vocab_size(self) -> int:
         return self.tokenizer.get_vocab_size()
 
+    def identity(self) -> dict:
+        """What a resumed run must find unchanged, by content (not by path: a moved cache is the same data):
+        the tokenizer, the row length, the number of training rows and a hash of a fixed sample of them."""
+        return {
+            "tokenizer_sha256": hashlib.sha256(self.tokenizer.to_str().encode()).hexdigest(),
+            "seq_length": self.seq_length,
+            "train_rows": len(self.train),
+            "rows_sha256": _rows_sample_sha256(self.train),
+        }
+
+
+# Rows hashed by PretrainingData.identity: evenly spaced over the split, first and last included. Enough to
+# tell other rows or another order apart, cheap for any size of data.
+IDENTITY_SAMPLE_ROWS = 1024
+
+
+def _rows_sample_sha256(rows: datasets.Dataset) -> str:
+    n = len(rows)
+    picked = np.unique(np.linspace(0, n - 1, num=min(n, IDENTITY_SAMPLE_ROWS)).round().astype(np.int64))
+    sample = rows.with_format("numpy", columns=["input_ids"])[picked]["input_ids"]
+    return hashlib.sha256(np.ascontiguousarray(sample, dtype=np.int64).tobytes()).hexdigest()
+
 
 def cache_key(cfg: DataConfig) -> str:
     """Hash of everything that decides the processed data: the config (without its label) and the sources."""

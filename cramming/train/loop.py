@@ -109,6 +109,7 @@ class Run:
     microbatch_size: int  # impl.microbatch_size, or the one the search chose (the config is never written)
     predicted_per_row: int | None  # the decoder's static positions per row (count masking), else None
     progress: Progress
+    data_identity: dict  # PretrainingData.identity(): saved with the state, checked on resume
     batches: Iterator[tuple[torch.Tensor, torch.Tensor]] | None = None  # (stream rows, input_ids)
     window: Window = field(default_factory=Window)
     last_save: float = 0.0  # budget seconds at the last resumable state
@@ -149,6 +150,9 @@ def set_up(
     run_dir.mkdir(parents=True, exist_ok=True)
     loading = clock()
     state = load_resume_state(cfg)
+    data_identity = data.identity()
+    if state:  # before anything is built: a state for other data is refused by name
+        check_same_data(state, data_identity, data.path)
     # reading the state is part of this run's set-up, on the budget; the downtime before it is not
     spent = (state["elapsed"] if state else 0.0) + clock() - loading
     budget = distributed.budget_clock(ranks, cfg.budget, clock, spent)
@@ -179,6 +183,7 @@ def set_up(
         microbatch_size=microbatch_size,
         predicted_per_row=masker.predicted_per_row(data.seq_length),
         progress=Progress(),
+        data_identity=data_identity,
         metrics_file=run_dir / "metrics.jsonl" if ranks.is_main else None,
         ranks=ranks,
     )
@@ -521,6 +526,7 @@ def save_resumable_state(run: Run) -> None:
         "rng": rng_state(),
         "arch": asdict(run.cfg.arch),
         "data_path": str(run.data.path),
+        "data": run.data_identity,
     }
     path = run.run_dir / checkpoint.STATE
     checkpoint.save_state(path, state)
@@ -562,16 +568,32 @@ def restore(run: Run, state: dict) -> None:
         raise ConfigError(
             f"resume=true: the saved run used another arch ({state['arch']['name']}); resume with the same `arch`"
         )
-    if state["data_path"] != str(run.data.path):
-        log.warning(
-            "resuming on other data than the saved run: %s (was %s)", run.data.path, state["data_path"]
-        )
     distributed.load_full_state(run.model, run.optimizer, state["model"], state["optimizer"], run.ranks)
     run.step.load_state_dict(state["step"])
     run.progress = Progress(**state["progress"])
     run.step.stats.skipped = run.progress.skipped
     run.step.stats.skipped_in_a_row = run.progress.skipped_in_a_row
     set_rng_state(state["rng"])
+
+
+def check_same_data(state: dict, here: dict, path: Path) -> None:
+    """A resumed run continues on the rows and token ids it was trained on, or not at all: other ids would
+    train the embeddings of other words (and another vocabulary size fails deep in load_state_dict)."""
+    there = state.get("data")
+    if there is None:  # a state from before the identity was saved: only its data folder is known
+        if state["data_path"] == str(path):
+            return
+        differences = [f"data folder {state['data_path']} there, {path} here"]
+    else:
+        differences = [
+            f"{key} {there.get(key)} there, {here[key]} here" for key in here if there.get(key) != here[key]
+        ]
+    if differences:
+        raise ConfigError(
+            f"resume=true: the saved run was trained on other data than this run's ({'; '.join(differences)})."
+            f" Resume with the saved run's data config (its data_config.yaml is in {state['data_path']}),"
+            " or start afresh with resume=false or another name"
+        )
 
 
 def rng_state() -> dict:
