@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
+import yaml
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from omegaconf.errors import ConfigKeyError, ValidationError
@@ -104,3 +107,67 @@ def test_every_eval_recipe_validates(recipe):
         assert (
             cfg.eval.group_by_length and cfg.eval.optim.lr == 1e-3 and cfg.eval.per_task["SST-2"].epochs == 1
         )
+
+
+# A path that names one machine's folders: absolute (POSIX or a Windows drive) or in someone's home.
+MACHINE_PATH = re.compile(r"^(/|~|[A-Za-z]:[\\/])")
+MACHINE_PATH_IN_TEXT = re.compile(r"(?<![\w.$}])(/(work|home|root|Users|mnt|scratch|data)/|~/)")
+
+
+def _strings(node, where: str):
+    if isinstance(node, dict):
+        for key, value in node.items():
+            yield from _strings(value, f"{where}.{key}")
+    elif isinstance(node, list):
+        for i, value in enumerate(node):
+            yield from _strings(value, f"{where}[{i}]")
+    elif isinstance(node, str):
+        yield where, node
+
+
+def test_no_config_names_an_absolute_path():
+    """Configs run on any machine: data and outputs are named relative to the repository root (the shared
+    data is at ../shared), or given on the command line."""
+    found = []
+    for path in sorted(CONF_DIR.rglob("*.yaml")):
+        text = path.read_text()
+        tree = yaml.safe_load(text) or {}
+        found += [
+            f"{path.relative_to(CONF_DIR)}: {key} = {value}"
+            for key, value in _strings(tree, "")
+            if MACHINE_PATH.match(value)
+        ]
+        found += [
+            f"{path.relative_to(CONF_DIR)}:{n}: {line.strip()}"
+            for n, line in enumerate(text.splitlines(), 1)
+            if MACHINE_PATH_IN_TEXT.search(line)
+        ]
+    assert not found, "absolute paths in conf/:\n" + "\n".join(found)
+
+
+def test_no_script_or_entry_point_names_a_machines_folder():
+    root = CONF_DIR.parent
+    files = [*sorted((root / "scripts").iterdir()), root / "pretrain.py", root / "eval.py", root / "Makefile"]
+    found = [
+        f"{path.relative_to(root)}:{n}: {line.strip()}"
+        for path in files
+        if path.is_file()
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if MACHINE_PATH_IN_TEXT.search(line)
+    ]
+    assert not found, "a machine's folders named in:\n" + "\n".join(found)
+
+
+@pytest.mark.parametrize(
+    "value, absolute",
+    [
+        ("/work/shared/data/glue", True),
+        ("~/data", True),
+        ("C:\\data", True),
+        ("../shared/data/glue", False),
+        ("outputs", False),
+    ],
+)
+def test_the_absolute_path_check_can_fail(value, absolute):
+    assert bool(MACHINE_PATH.match(value)) == absolute
+    assert bool(MACHINE_PATH_IN_TEXT.search(f"files: {value}")) == (absolute and not value.startswith("C:"))
