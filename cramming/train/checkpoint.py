@@ -77,6 +77,18 @@ def find_resumable_state(base_dir: str | Path, name: str) -> Path | None:
     return run_dir / STATE if (run_dir / STATE).exists() else run_dir / PREVIOUS
 
 
+def own_state(run_dir: Path) -> Path | None:
+    """state.pt (or only state.prev.pt) in the run's own folder, or None.
+
+    A first start never finds one: every run claims a new folder (cramming.utils.claim_run_dir), and a sweep's
+    job N starts in an empty {sweep}/N. A job that its launcher starts again in the same folder (a SLURM job
+    requeued after a preemption or a time limit) finds the state it saved there, and continues from it."""
+    for name in (STATE, PREVIOUS):
+        if (run_dir / name).exists():
+            return run_dir / name
+    return None
+
+
 def remove_stale_temporaries(run_dir: Path) -> list[Path]:
     """Delete the temporary state files (`.state.pt.<pid>.next*`, `.state.prev.pt.<pid>.tmp`) that a process
     killed mid-write left in `run_dir`; files of a process still alive on this machine are kept."""

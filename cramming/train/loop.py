@@ -42,7 +42,7 @@ from cramming.train.context import context_use
 from cramming.train.context import describe as describe_context_use
 from cramming.train.mlm import MLMMasker, mlm_accuracy_counts, mlm_totals
 from cramming.train.schedules import LR_SCHEDULES, accumulation_steps, step_progress
-from cramming.train.signals import StopSignals, catch_stop_signals
+from cramming.train.signals import STOP_SIGNALS, StopSignals, catch_stop_signals
 from cramming.train.step import TrainStep
 from cramming.train.tensorboard import TensorBoardWriter
 from cramming.utils import seed_everything
@@ -128,7 +128,7 @@ class Run:
 @dataclass
 class TrainResult:
     run_dir: Path
-    stop_reason: str  # budget | steps | SIGINT | SIGTERM
+    stop_reason: str  # budget | steps | SIGINT | SIGTERM | SIGUSR2
     progress: Progress
     elapsed: float  # seconds of budget spent in all parts of the run
     checkpoint: Path | None  # the final model; None when interrupted
@@ -149,7 +149,7 @@ def set_up(
     ranks = distributed.init_from_env(cfg.impl)  # under torchrun: its process group; else a single process
     run_dir.mkdir(parents=True, exist_ok=True)
     loading = clock()
-    state = load_resume_state(cfg)
+    state = load_resume_state(cfg, run_dir)
     data_identity = data.identity()
     if state:  # before anything is built: a state for other data is refused by name
         check_same_data(state, data_identity, data.path)
@@ -539,13 +539,16 @@ def save_resumable_state(run: Run) -> None:
     )
 
 
-def load_resume_state(cfg: PretrainConfig) -> dict | None:
-    """With resume=true, the state of the newest run of this name that saved one."""
-    if not cfg.resume:
+def load_resume_state(cfg: PretrainConfig, run_dir: Path) -> dict | None:
+    """The state this run continues from: the one in its own folder (a sweep job requeued by its launcher
+    after a preemption or a time limit, checkpoint.own_state), else with resume=true the state of the newest
+    run of this name that saved one."""
+    path = checkpoint.own_state(run_dir)
+    if path is None and not cfg.resume:
         return None
-    for run_dir in (Path(cfg.base_dir) / cfg.name).glob("*/"):  # saves killed mid-write, in any run of it
-        checkpoint.remove_stale_temporaries(run_dir)
-    path = checkpoint.find_resumable_state(cfg.base_dir, cfg.name)
+    for folder in (Path(cfg.base_dir) / cfg.name).glob("*/"):  # saves killed mid-write, in any run of it
+        checkpoint.remove_stale_temporaries(folder)
+    path = path or checkpoint.find_resumable_state(cfg.base_dir, cfg.name)
     if path is None:
         raise ConfigError(
             f"resume=true but no run named {cfg.name!r} under {cfg.base_dir} left a resumable state"
@@ -616,7 +619,7 @@ def finish(run: Run, reason: str) -> TrainResult:
     log.info("stopping (%s) after %d updates, %s", reason, run.progress.updates, run.clock.describe())
     save_resumable_state(run)
     elapsed = run.clock.elapsed()
-    if reason in ("SIGINT", "SIGTERM"):
+    if reason in STOP_SIGNALS:
         distributed.barrier(run.ranks)  # every rank returns once rank 0's state is on disk
         close_reporting(run, final=False)
         return TrainResult(run.run_dir, reason, run.progress, elapsed, None, None, run.elapsed_before)

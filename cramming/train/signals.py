@@ -1,4 +1,8 @@
-"""SIGINT/SIGTERM during training: note them, so the loop saves a resumable state and stops cleanly."""
+"""SIGINT/SIGTERM/SIGUSR2 during training: note them, so the loop saves a resumable state and stops cleanly.
+
+SIGUSR2 is what SLURM sends ahead of a time limit or a preemption when asked to (`--signal=USR2@<seconds>`,
+as the submitit launcher does, conf/hydra/launcher/slurm.yaml); the entry point then hands the stopped job
+back to its launcher for a requeue (cramming.cluster)."""
 
 from __future__ import annotations
 
@@ -10,9 +14,12 @@ from collections.abc import Iterator
 
 log = logging.getLogger("cramming")
 
+# the signals that stop training after the current micro-batch with a resumable state saved
+STOP_SIGNALS = ("SIGINT", "SIGTERM", "SIGUSR2")
+
 
 class StopSignals:
-    """Records SIGINT/SIGTERM so the loop can save a resumable state and stop after the current micro-batch."""
+    """Records a stop signal so the loop can save a resumable state and stop after the current micro-batch."""
 
     received: str | None = None
 
@@ -32,7 +39,7 @@ def catch_stop_signals() -> Iterator[StopSignals]:
     if threading.current_thread() is not threading.main_thread():  # handlers can only be set from there
         yield signals
         return
-    previous = {sig: signal.signal(sig, signals.handle) for sig in (signal.SIGINT, signal.SIGTERM)}
+    previous = {signal.Signals[name]: signal.signal(signal.Signals[name], signals.handle) for name in STOP_SIGNALS}
     try:
         yield signals
     finally:
