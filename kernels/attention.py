@@ -5,15 +5,20 @@ arXiv 2307.08691): the (seq, seq) score matrix is never stored. The forward walk
 online softmax and saves only the log-sum-exp of each query row; the backward recomputes the
 probabilities block by block from it.
 
-Notation for one (batch, head): S = scale * Q K^T, P = softmax(S) over keys (masked keys get P = 0),
-Z = the dropout keep-mask, O = (P * Z / (1 - p)) V. Derivative implemented by the backward:
+Notation for one (batch, head): S = scale * Q K^T + B, P = softmax(S) over keys (masked keys get P = 0),
+Z = the dropout keep-mask, O = (P * Z / (1 - p)) V. B is 0, or with ALiBi (Press et al., "Train Short, Test
+Long", arXiv 2108.12409) the head's distance bias B_ij = -slope_h * |i - j|, computed in registers from the
+row and column indices of the tile and one fp32 slope per head, so no (heads, seq, seq) tensor exists (as
+FlashAttention-2's `alibi_slopes`). B is a constant: it has no gradient and leaves the formulas below as
+they are. Derivative implemented by the backward:
 
     dV = (P * Z / (1 - p))^T dO
     dP = (dO V^T) * Z / (1 - p)
     dS = P * (dP - D),   D_i = sum_j P_ij dP_ij = rowsum(dO * O)_i     (softmax Jacobian)
     dQ = scale * dS K,   dK = scale * dS^T Q
 
-Scores are kept in base 2 inside the kernels (exp2 is cheaper than exp): s2 = S * log2(e), and the saved
+Scores are kept in base 2 inside the kernels (exp2 is cheaper than exp): s2 = S * log2(e) (the ALiBi bias
+too: slope * log2(e) per program), and the saved
 LSE is log2 sum_j exp2(s2_ij). A query row with no real key at all (a fully padded sequence) gets O = 0,
 LSE = 0 and zero gradients instead of 0/0; `attention_reference` defines the same semantics.
 
@@ -40,6 +45,7 @@ import triton
 import triton.language as tl
 
 LOG2E = 1.4426950408889634
+LOG2E_C: tl.constexpr = tl.constexpr(LOG2E)  # the same, readable inside @triton.jit functions
 
 
 @triton.jit
@@ -63,12 +69,20 @@ def _keep_mask(seed, bh, rows, cols, S, dropout_p):
     return tl.rand(seed, offs) >= dropout_p
 
 
+@triton.jit
+def _alibi_bias2(slope2, rows, cols):
+    # ALiBi bias of one tile in base 2, -slope * log2(e) * |i - j|, fp32; rows (query positions) and cols
+    # (key positions) are int32 index tensors that broadcast to the tile, either orientation.
+    return -slope2 * tl.abs(rows - cols).to(tl.float32)
+
+
 @triton.jit(do_not_specialize=["seed"])
 def _attention_fwd_kernel(
     Q,  # (B, H, S, D) strides (sq_b, sq_h, sq_s, 1)
     K,  # (B, H, S, D) strides (sk_b, sk_h, sk_s, 1)
     V,  # (B, H, S, D) strides (sv_b, sv_h, sv_s, 1)
     KPM,  # (B, S) uint8, 1 = real key; unused when not HAS_KPM
+    SLOPES,  # (H,) fp32: each head's ALiBi slope; unused when not HAS_ALIBI
     OUT,  # (B, H, S, D) strides (so_b, so_h, so_s, 1)
     LSE,  # (B, H, S) fp32 contiguous: base-2 log-sum-exp of each query row
     sq_b,
@@ -91,6 +105,7 @@ def _attention_fwd_kernel(
     dropout_p,
     seed,
     HAS_KPM: tl.constexpr,
+    HAS_ALIBI: tl.constexpr,
     DROPOUT: tl.constexpr,
     IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -101,6 +116,8 @@ def _attention_fwd_kernel(
     bh = tl.program_id(1)
     b = (bh // H).to(tl.int64)  # int64 pointer offsets past 2**31 elements
     h = bh % H
+    if HAS_ALIBI:
+        slope2 = tl.load(SLOPES + h) * LOG2E_C  # fp32, base 2 like the scores
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n0 = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
@@ -133,6 +150,8 @@ def _attention_fwd_kernel(
             key_ok = key_ok & (tl.load(KPM + b * skpm_b + offs_n, mask=n_ok, other=0) != 0)
 
         s2 = _dot(q, tl.trans(k), IEEE) * qk_scale  # (BLOCK_M, BLOCK_N), base 2
+        if HAS_ALIBI:
+            s2 += _alibi_bias2(slope2, offs_m[:, None], offs_n[None, :])
         s2 = tl.where(key_ok[None, :], s2, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s2, axis=1))
         alpha = tl.exp2(m_i - m_new)
@@ -192,6 +211,7 @@ def _attention_bwd_dkdv_kernel(
     K,  # (B, H, S, D) strides (sk_b, sk_h, sk_s, 1)
     V,  # (B, H, S, D) strides (sv_b, sv_h, sv_s, 1)
     KPM,  # (B, S) uint8, 1 = real key; unused when not HAS_KPM
+    SLOPES,  # (H,) fp32: each head's ALiBi slope; unused when not HAS_ALIBI
     DO,  # (B, H, S, D) strides (sdo_b, sdo_h, sdo_s, 1)
     LSE,  # (B, H, S) fp32 contiguous, from the forward
     DELTA,  # (B, H, S) fp32 contiguous, from the preprocess kernel
@@ -228,6 +248,7 @@ def _attention_bwd_dkdv_kernel(
     dropout_p,
     seed,
     HAS_KPM: tl.constexpr,
+    HAS_ALIBI: tl.constexpr,
     DROPOUT: tl.constexpr,
     FUSED_DQ: tl.constexpr,  # one key block covers the whole sequence: this program owns dQ too
     IEEE: tl.constexpr,
@@ -241,6 +262,8 @@ def _attention_bwd_dkdv_kernel(
     bh = tl.program_id(1)
     b = (bh // H).to(tl.int64)  # int64 pointer offsets past 2**31 elements
     h = bh % H
+    if HAS_ALIBI:
+        slope2 = tl.load(SLOPES + h) * LOG2E_C  # fp32, base 2 like the scores
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m0 = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
@@ -270,6 +293,8 @@ def _attention_bwd_dkdv_kernel(
         delta = tl.load(DELTA + bh * S + offs_m, mask=m_ok, other=0.0)
 
         s2_t = _dot(k, tl.trans(q), IEEE) * qk_scale  # (BLOCK_N, BLOCK_M): S^T in base 2
+        if HAS_ALIBI:
+            s2_t += _alibi_bias2(slope2, offs_m[None, :], offs_n[:, None])
         # Masked keys and the rows past the end of the sequence contribute nothing.
         p_t = tl.where(key_ok[:, None] & m_ok[None, :], tl.exp2(s2_t - lse[None, :]), 0.0)
         dp_t = _dot(v, tl.trans(do), IEEE)  # (BLOCK_N, BLOCK_M): (dO V^T)^T
@@ -307,6 +332,7 @@ def _attention_bwd_dq_kernel(
     K,  # (B, H, S, D) strides (sk_b, sk_h, sk_s, 1)
     V,  # (B, H, S, D) strides (sv_b, sv_h, sv_s, 1)
     KPM,  # (B, S) uint8, 1 = real key; unused when not HAS_KPM
+    SLOPES,  # (H,) fp32: each head's ALiBi slope; unused when not HAS_ALIBI
     DO,  # (B, H, S, D) strides (sdo_b, sdo_h, sdo_s, 1)
     LSE,  # (B, H, S) fp32 contiguous
     DELTA,  # (B, H, S) fp32 contiguous
@@ -335,6 +361,7 @@ def _attention_bwd_dq_kernel(
     dropout_p,
     seed,
     HAS_KPM: tl.constexpr,
+    HAS_ALIBI: tl.constexpr,
     DROPOUT: tl.constexpr,
     IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -346,6 +373,8 @@ def _attention_bwd_dq_kernel(
     bh = tl.program_id(1)
     b = (bh // H).to(tl.int64)  # int64 pointer offsets past 2**31 elements
     h = bh % H
+    if HAS_ALIBI:
+        slope2 = tl.load(SLOPES + h) * LOG2E_C  # fp32, base 2 like the scores
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n0 = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
@@ -374,6 +403,8 @@ def _attention_bwd_dq_kernel(
             key_ok = key_ok & (tl.load(KPM + b * skpm_b + offs_n, mask=n_ok, other=0) != 0)
 
         s2 = _dot(q, tl.trans(k), IEEE) * qk_scale  # (BLOCK_M, BLOCK_N), base 2
+        if HAS_ALIBI:
+            s2 += _alibi_bias2(slope2, offs_m[:, None], offs_n[None, :])
         p = tl.where(key_ok[None, :], tl.exp2(s2 - lse[:, None]), 0.0)
         dp = _dot(do, tl.trans(v), IEEE)  # (BLOCK_M, BLOCK_N)
         if DROPOUT:
@@ -491,21 +522,22 @@ def _new_bhsd(q: torch.Tensor) -> torch.Tensor:
 @torch.library.custom_op(
     "cramming::flash_attention_forward",
     mutates_args=(),
-    schema="(Tensor q, Tensor k, Tensor v, Tensor? kpm, float dropout_p, Tensor seed, float sm_scale, "
-    "int[] blocks) -> (Tensor, Tensor)",
+    schema="(Tensor q, Tensor k, Tensor v, Tensor? kpm, Tensor? slopes, float dropout_p, Tensor seed, "
+    "float sm_scale, int[] blocks) -> (Tensor, Tensor)",
 )
-def _attention_forward(q, k, v, kpm, dropout_p, seed, sm_scale, blocks):
+def _attention_forward(q, k, v, kpm, slopes, dropout_p, seed, sm_scale, blocks):
     batch, heads, seq, head_dim = q.shape
     tiles = AttentionBlocks(*blocks)
     out = _new_bhsd(q)
     lse = torch.empty(batch, heads, seq, device=q.device, dtype=torch.float32)
     grid = (triton.cdiv(seq, tiles.fwd_m), batch * heads)
     _attention_fwd_kernel[grid](
-        q, k, v, kpm if kpm is not None else q, out, lse,
+        q, k, v, kpm if kpm is not None else q, slopes if slopes is not None else q, out, lse,
         *_strides(q), *_strides(k), *_strides(v), *_strides(out),
         kpm.stride(0) if kpm is not None else 0,
         heads, seq, head_dim, sm_scale * LOG2E, dropout_p, int(seed.item()),
-        HAS_KPM=kpm is not None, DROPOUT=dropout_p > 0.0, IEEE=q.dtype == torch.float32,
+        HAS_KPM=kpm is not None, HAS_ALIBI=slopes is not None, DROPOUT=dropout_p > 0.0,
+        IEEE=q.dtype == torch.float32,
         BLOCK_M=tiles.fwd_m, BLOCK_N=tiles.fwd_n, BLOCK_D=block_d(head_dim),
         num_warps=tiles.fwd_warps, num_stages=tiles.stages,
     )  # fmt: skip
@@ -513,7 +545,7 @@ def _attention_forward(q, k, v, kpm, dropout_p, seed, sm_scale, blocks):
 
 
 @_attention_forward.register_fake
-def _(q, k, v, kpm, dropout_p, seed, sm_scale, blocks):
+def _(q, k, v, kpm, slopes, dropout_p, seed, sm_scale, blocks):
     batch, heads, seq, _ = q.shape
     return _new_bhsd(q), q.new_empty(batch, heads, seq, dtype=torch.float32)
 
@@ -521,10 +553,10 @@ def _(q, k, v, kpm, dropout_p, seed, sm_scale, blocks):
 @torch.library.custom_op(
     "cramming::flash_attention_backward",
     mutates_args=(),
-    schema="(Tensor do, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? kpm, float dropout_p, "
-    "Tensor seed, float sm_scale, int[] blocks) -> (Tensor, Tensor, Tensor)",
+    schema="(Tensor do, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? kpm, Tensor? slopes, "
+    "float dropout_p, Tensor seed, float sm_scale, int[] blocks) -> (Tensor, Tensor, Tensor)",
 )
-def _attention_backward(do, q, k, v, out, lse, kpm, dropout_p, seed, sm_scale, blocks):
+def _attention_backward(do, q, k, v, out, lse, kpm, slopes, dropout_p, seed, sm_scale, blocks):
     batch, heads, seq, head_dim = q.shape
     tiles = AttentionBlocks(*blocks)
     seed = int(seed.item())
@@ -538,14 +570,16 @@ def _attention_backward(do, q, k, v, out, lse, kpm, dropout_p, seed, sm_scale, b
     fused_dq = seq <= tiles.bwd_n
     common = dict(
         HAS_KPM=kpm is not None,
+        HAS_ALIBI=slopes is not None,
         DROPOUT=dropout_p > 0.0,
         IEEE=q.dtype == torch.float32,
         BLOCK_D=block_d(head_dim),
     )
     kpm_arg = kpm if kpm is not None else q
     kpm_stride = kpm.stride(0) if kpm is not None else 0
+    slopes_arg = slopes if slopes is not None else q
     _attention_bwd_dkdv_kernel[(triton.cdiv(seq, tiles.bwd_n), batch * heads)](
-        q, k, v, kpm_arg, do, lse, delta, dq, dk, dv,
+        q, k, v, kpm_arg, slopes_arg, do, lse, delta, dq, dk, dv,
         *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dq), *_strides(dk), *_strides(dv),
         kpm_stride, heads, seq, head_dim, sm_scale, sm_scale * LOG2E, dropout_p, seed,
         FUSED_DQ=fused_dq, BLOCK_M=tiles.bwd_m, BLOCK_N=tiles.bwd_n,
@@ -555,7 +589,7 @@ def _attention_backward(do, q, k, v, out, lse, kpm, dropout_p, seed, sm_scale, b
         # A second pass by query blocks, recomputing P and dP: two more matmuls per tile than atomically
         # adding dQ from the dK/dV pass, but deterministic, and no fp32 dQ buffer to convert afterwards.
         _attention_bwd_dq_kernel[(triton.cdiv(seq, tiles.dq_m), batch * heads)](
-            q, k, v, kpm_arg, do, lse, delta, dq,
+            q, k, v, kpm_arg, slopes_arg, do, lse, delta, dq,
             *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dq),
             kpm_stride, heads, seq, head_dim, sm_scale, sm_scale * LOG2E, dropout_p, seed,
             BLOCK_M=tiles.dq_m, BLOCK_N=tiles.dq_n,
@@ -565,34 +599,37 @@ def _attention_backward(do, q, k, v, out, lse, kpm, dropout_p, seed, sm_scale, b
 
 
 @_attention_backward.register_fake
-def _(do, q, k, v, out, lse, kpm, dropout_p, seed, sm_scale, blocks):
+def _(do, q, k, v, out, lse, kpm, slopes, dropout_p, seed, sm_scale, blocks):
     return _new_bhsd(q), _new_bhsd(q), _new_bhsd(q)
 
 
 class _FlashAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, key_padding_mask, dropout_p, sm_scale, blocks):
+    def forward(ctx, q, k, v, key_padding_mask, dropout_p, sm_scale, blocks, alibi_slopes=None):
         q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
         kpm = None if key_padding_mask is None else key_padding_mask.to(torch.uint8).contiguous()
+        slopes = None if alibi_slopes is None else alibi_slopes.to(torch.float32).contiguous()  # (heads,)
         seed = draw_dropout_seed() if dropout_p > 0.0 else torch.zeros(1, dtype=torch.int64)
         if blocks is None:
             cc = torch.cuda.get_device_capability(q.device) if q.is_cuda else None
             blocks = attention_tiles(q.shape[2], q.shape[3], q.dtype, cc, dropout_p > 0.0)
         blocks = list(astuple(blocks))
-        out, lse = _attention_forward(q, k, v, kpm, dropout_p, seed, sm_scale, blocks)
-        ctx.save_for_backward(q, k, v, out, lse, kpm, seed)
+        out, lse = _attention_forward(q, k, v, kpm, slopes, dropout_p, seed, sm_scale, blocks)
+        ctx.save_for_backward(q, k, v, out, lse, kpm, slopes, seed)
         ctx.args = (dropout_p, sm_scale, blocks)
         return out
 
     @staticmethod
     def backward(ctx, do):
-        q, k, v, out, lse, kpm, seed = ctx.saved_tensors
+        q, k, v, out, lse, kpm, slopes, seed = ctx.saved_tensors
         dropout_p, sm_scale, blocks = ctx.args
-        dq, dk, dv = _attention_backward(do, q, k, v, out, lse, kpm, dropout_p, seed, sm_scale, blocks)
-        return dq, dk, dv, None, None, None, None
+        dq, dk, dv = _attention_backward(
+            do, q, k, v, out, lse, kpm, slopes, dropout_p, seed, sm_scale, blocks
+        )
+        return dq, dk, dv, None, None, None, None, None  # the slopes are constants: no gradient
 
 
-def _check_inputs(q, k, v, key_padding_mask, dropout_p):
+def _check_inputs(q, k, v, key_padding_mask, dropout_p, alibi_slopes=None):
     if q.dim() != 4 or q.shape != k.shape or q.shape != v.shape:
         raise ValueError(
             f"q, k, v must share one (batch, heads, seq, head_dim) shape, got {tuple(q.shape)}, "
@@ -616,6 +653,14 @@ def _check_inputs(q, k, v, key_padding_mask, dropout_p):
         )
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    if alibi_slopes is not None and (
+        tuple(alibi_slopes.shape) != (heads,) or not alibi_slopes.is_floating_point()
+        or alibi_slopes.device != q.device
+    ):  # fmt: skip
+        raise ValueError(
+            f"alibi_slopes must be a float ({heads},) tensor (one slope per head) on {q.device}; got "
+            f"{alibi_slopes.dtype} {tuple(alibi_slopes.shape)} on {alibi_slopes.device}"
+        )
 
 
 def flash_attention(
@@ -625,16 +670,21 @@ def flash_attention(
     key_padding_mask: torch.Tensor | None = None,
     dropout_p: float = 0.0,
     scale: float | None = None,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """softmax(scale * q k^T, masked keys excluded) v with dropout on the probabilities; non-causal.
+    """softmax(scale * q k^T + alibi, masked keys excluded) v with dropout on the probabilities; non-causal.
 
     q, k, v: (batch, heads, seq, head_dim), fp16/bf16 (fp32 for tests). key_padding_mask: (batch, seq)
-    bool, True = real token. Returns (batch, heads, seq, head_dim); a query row with no real key returns 0.
-    The dropout seed is drawn from torch's CPU generator, so torch.manual_seed makes a run reproducible.
+    bool, True = real token. alibi_slopes: (heads,) float, the ALiBi bias -slope_h * |i - j| on head h's
+    scores (read as fp32; a slope of 0 is no bias), or None. Returns (batch, heads, seq, head_dim); a query
+    row with no real key returns 0. The dropout seed is drawn from torch's CPU generator, so
+    torch.manual_seed makes a run reproducible.
     """
-    _check_inputs(q, k, v, key_padding_mask, dropout_p)
+    _check_inputs(q, k, v, key_padding_mask, dropout_p, alibi_slopes)
     sm_scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    return _FlashAttention.apply(q, k, v, key_padding_mask, float(dropout_p), float(sm_scale), None)
+    return _FlashAttention.apply(
+        q, k, v, key_padding_mask, float(dropout_p), float(sm_scale), None, alibi_slopes
+    )
 
 
 def draw_dropout_seed() -> torch.Tensor:
@@ -664,14 +714,19 @@ def attention_reference(
     dropout_p: float = 0.0,
     scale: float | None = None,
     keep_mask: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Eager attention in fp32 with the kernel's semantics (a row with no real key returns 0).
 
     keep_mask: (batch, heads, seq, seq) bool dropout keep-mask (e.g. from `dropout_keep_mask`); without
-    it, dropout_p > 0 draws one with torch's generator.
+    it, dropout_p > 0 draws one with torch's generator. bias: an explicit additive float bias on the scaled
+    scores, broadcastable to (batch, heads, seq, seq), e.g. the dense ALiBi tensor that the kernel's
+    `alibi_slopes` stand for (`cramming.model.ops.alibi_bias`).
     """
     sm_scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
     scores = sm_scale * (q.float() @ k.float().transpose(-1, -2))  # (batch, heads, seq, seq)
+    if bias is not None:
+        scores = scores + bias.float()
     if key_padding_mask is not None:
         real = key_padding_mask[:, None, None, :]  # (batch, 1, 1, seq)
         # A row with no real key keeps all its scores (a finite softmax, no NaN in its gradient) and is

@@ -3,6 +3,10 @@
 On CPU these run in the Triton interpreter (tests/conftest.py sets TRITON_INTERPRET=1), so the shapes are
 small but awkward: seq 1, odd lengths, ragged last blocks, padded rows of different lengths, a sequence
 with no real token at all. On a GPU the same tests run on CUDA, plus the `gpu`-marked ones.
+
+ALiBi (the kernel's `alibi_slopes`) is compared with the model's SDPA path given the explicit (heads, seq,
+seq) float bias (`cramming.model.ops.sdpa_attention`), and with dropout with the eager reference fed the
+same bias and keep-mask.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import torch
 from kernel_checks import assert_close, sum_rtol, unit_roundoff
 
 from cramming.kernels import triton_status
+from cramming.model.ops import alibi_bias, sdpa_attention
 
 TRITON_OK, TRITON_WHY = triton_status()
 pytestmark = pytest.mark.skipif(not TRITON_OK, reason=f"Triton cannot launch here: {TRITON_WHY}")
@@ -67,21 +72,28 @@ def _inputs(batch, heads, seq, head_dim, lengths, dtype, scale_q=1.0):
     return q, k, v, mask
 
 
-def summation_atol(q, k, v, do, mask, scale) -> dict[str, float]:
+def summation_atol(q, k, v, do, mask, scale, bias=None) -> dict[str, float]:
     """Absolute errors that the order of the fp32 sums alone allows (the kernel sums over head_dim and over
     key/query blocks in another order than the reference's matmuls), propagated from the inputs in fp64:
-    scores off by sum_rtol(head_dim) * scale * sum|q k|, so each probability relatively by twice that plus
-    the log-sum-exp's own sum and the rounding of s - lse; out, dv, dP, D, dS, dq and dk add their sums."""
+    scores off by sum_rtol(head_dim) * scale * sum|q k| (plus a few roundings of the bias, which the kernel
+    computes as slope * log2(e) * |i - j| and the reference as slope * |i - j|), so each probability
+    relatively by twice that plus the log-sum-exp's own sum and the rounding of s - lse; out, dv, dP, D,
+    dS, dq and dk add their sums. bias: the additive (heads, seq, seq) score bias, or None."""
     q, k, v, do = (t.detach().double() for t in (q, k, v, do))
     seq, dim = q.shape[-2], q.shape[-1]
     u = unit_roundoff(torch.float32)
     kt = k.transpose(-1, -2)
     s_abs = scale * (q.abs() @ kt.abs())  # (batch, heads, seq, seq)
     scores = scale * (q @ kt)
+    s_err = sum_rtol(dim) * s_abs.amax(-1, keepdim=True)
+    if bias is not None:
+        bias = bias.detach().double().to(q.device)
+        scores = scores + bias
+        s_err = s_err + 4 * u * bias.abs().amax(-1, keepdim=True)
+        s_abs = s_abs + bias.abs()
     if mask is not None:
         scores = scores.masked_fill(~mask[:, None, None, :].to(q.device), float("-inf"))
     p = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a row with no real key: 0, as in the kernel
-    s_err = sum_rtol(dim) * s_abs.amax(-1, keepdim=True)
     p_rel = 2 * s_err + sum_rtol(seq) + 2 * u * (s_abs.amax(-1, keepdim=True) + math.log(seq))
     out = p @ v
     e_out = (p_rel + sum_rtol(seq)) * (p @ v.abs())
@@ -203,6 +215,111 @@ def test_rejects_bad_inputs():
         flash_attention(q, q[:, :, :4], q)
     with pytest.raises(ValueError, match="dropout_p"):
         flash_attention(q, q, q, dropout_p=1.0)
+
+
+# ---------------------------------------------------------------------------------------------------
+# ALiBi: -slope_h * |i - j| computed inside the kernels from one fp32 slope per head
+
+
+def _default_slopes(heads: int) -> list[float]:
+    return [4.0**-h for h in range(heads)]  # arch.head_slopes() without arch.alibi_slopes
+
+
+# (batch, heads, seq, head_dim, real lengths or None, slopes): the configs' shapes at seq 128 (bert-tiny,
+# bert-mini, crammed-bert) and odd ones: seq 1, one head, a sequence that is no multiple of any tile, a
+# sequence with no real token, a slope of 0 beside a slope of 1, head_dim 48 and 128 (the separate dQ pass)
+ALIBI_SHAPES = [
+    (1, 1, 1, 32, None, [1.0]),
+    (2, 2, 100, 32, [100, 37], [1.0, 0.0]),
+    (3, 1, 129, 64, [129, 65, 0], [0.5]),
+    (1, 2, 33, 48, [20], [0.0, 1.0]),
+    (1, 2, 65, 128, [50], [1.0, 0.0]),
+    (2, 2, 128, 64, [128, 77], _default_slopes(2)),  # bert-tiny
+    (2, 4, 128, 64, [128, 90], _default_slopes(4)),  # bert-mini
+    (1, 12, 128, 64, None, _default_slopes(12)),  # crammed-bert, pretraining (no padding)
+]
+
+
+def sdpa_alibi_reference(q, k, v, mask, slopes):
+    """The model's SDPA path (`ops.sdpa_attention`: one float mask, the explicit (heads, seq, seq) ALiBi bias
+    and the most negative float on padded keys) in fp32 on the same rounded inputs, with the kernel's
+    semantics for a sequence with no real key (output 0, so no gradient)."""
+    out = sdpa_attention(q.float(), k.float(), v.float(), mask, 0.0, slopes)
+    if mask is not None:
+        out = torch.where(mask.any(-1)[:, None, None, None], out, 0.0)
+    return out.to(q.dtype)
+
+
+def _alibi_id(shape) -> str:
+    batch, heads, seq, head_dim, lengths, slopes = shape
+    return "x".join(map(str, (batch, heads, seq, head_dim))) + ("-pad" if lengths else "")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("shape", ALIBI_SHAPES, ids=_alibi_id)
+@pytest.mark.parametrize("blocks", ["auto", "small"])
+def test_alibi_matches_sdpa_with_the_float_bias(shape, dtype, blocks):
+    batch, heads, seq, head_dim, lengths, slope_list = shape
+    q, k, v, mask = _inputs(batch, heads, seq, head_dim, lengths, dtype)
+    slopes = torch.tensor(slope_list, device=DEVICE)
+    do = torch.randn_like(q)
+    scale = head_dim**-0.5
+    use = SMALL_BLOCKS if blocks == "small" else None
+    out, grads = _run(
+        lambda q, k, v: _FlashAttention.apply(q, k, v, mask, 0.0, scale, use, slopes), q, k, v, do
+    )
+    ref_out, ref_grads = _run(lambda q, k, v: sdpa_alibi_reference(q, k, v, mask, slopes), q, k, v, do)
+    order = summation_atol(q, k, v, do, mask, scale, alibi_bias(slopes, seq))
+    _compare(out, grads, ref_out, ref_grads, dtype, order)
+    if seq > 1:  # the bias changes the result: the comparison is not vacuous
+        plain = flash_attention(q, k, v, mask)
+        assert (plain.float() - out.float()).abs().max() > 100 * TOL[dtype][0], "the ALiBi bias did nothing"
+
+
+def test_alibi_slope_zero_is_no_bias():
+    # slopes [1, 0]: head 1 must equal the kernel without a bias (same code path, bias exactly 0)
+    q, k, v, mask = _inputs(2, 2, 70, 32, [70, 31], torch.float32)
+    with_zero = flash_attention(q, k, v, mask, alibi_slopes=torch.tensor([1.0, 0.0], device=DEVICE))
+    plain = flash_attention(q, k, v, mask)
+    assert torch.equal(with_zero[:, 1], plain[:, 1])
+    assert not torch.allclose(with_zero[:, 0], plain[:, 0])
+
+
+@pytest.mark.parametrize("blocks", ["auto", "small"])
+def test_alibi_with_dropout_matches_reference_with_the_same_mask(blocks):
+    p, seq = 0.3, 129
+    q, k, v, mask = _inputs(2, 2, seq, 32, [70, 0], torch.float32)  # a padded and an empty sequence
+    slopes = torch.tensor([1.0, 0.0], device=DEVICE)
+    bias = alibi_bias(slopes, seq)  # (heads, seq, seq), explicit for the reference only
+    do = torch.randn_like(q)
+    torch.manual_seed(5)
+    keep = dropout_keep_mask(draw_dropout_seed(), 2, 2, seq, p, DEVICE)
+    torch.manual_seed(5)  # the kernel draws the same seed
+    use = SMALL_BLOCKS if blocks == "small" else None
+    out, grads = _run(
+        lambda q, k, v: _FlashAttention.apply(q, k, v, mask, p, 32**-0.5, use, slopes), q, k, v, do
+    )
+    ref_out, ref_grads = _run(
+        lambda q, k, v: attention_reference(q, k, v, mask, p, keep_mask=keep, bias=bias), q, k, v, do
+    )
+    order = {name: e / (1 - p) for name, e in summation_atol(q, k, v, do, mask, 32**-0.5, bias).items()}
+    _compare(out, grads, ref_out, ref_grads, torch.float32, order)
+
+
+def test_alibi_under_torch_compile_and_bad_slopes():
+    q, k, v, mask = _inputs(2, 2, 16, 32, [16, 5], torch.float32)
+    slopes = torch.tensor([0.5, 0.25], device=DEVICE)
+    do = torch.randn_like(q)
+
+    def fn(q, k, v):
+        return flash_attention(q, k, v, mask, alibi_slopes=slopes)
+
+    compiled = torch.compile(fn, backend="aot_eager", fullgraph=True)
+    out, grads = _run(compiled, q, k, v, do)
+    ref_out, ref_grads = _run(fn, q, k, v, do)
+    _compare(out, grads, ref_out, ref_grads, torch.float32, dict.fromkeys(("out", "dq", "dk", "dv"), 0.0))
+    with pytest.raises(ValueError, match="alibi_slopes"):
+        flash_attention(q, k, v, alibi_slopes=torch.ones(3, device=DEVICE))  # 2 heads, 3 slopes
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ from cramming.model import (
     count_parameters,
     ops,
 )
-from cramming.model.ops import ATTENTION, resolve_backends
+from cramming.model.ops import ATTENTION, alibi_bias, resolve_backends
 
 CONF = Path(__file__).resolve().parent.parent / "conf" / "arch"
 VOCAB = 1000
@@ -136,26 +136,27 @@ def test_attention_backends_agree(with_padding):
 
 
 @pytest.mark.parametrize("with_padding", [False, True])
-def test_attention_backends_agree_with_a_bias(with_padding):
+def test_attention_backends_agree_with_alibi(with_padding):
     q, k, v = (torch.randn(2, 3, 7, 8) for _ in range(3))
-    bias = -torch.rand(3, 7, 7) * 4
+    slopes = torch.tensor([1.0, 0.0, 0.25])
     mask = None
     if with_padding:
         mask = torch.ones(2, 7, dtype=torch.bool)
         mask[1, 4:] = False
-    reference = ATTENTION["eager"](q, k, v, mask, 0.0, bias)
-    torch.testing.assert_close(ATTENTION["sdpa"](q, k, v, mask, 0.0, bias), reference, rtol=1e-5, atol=1e-5)
+    reference = ATTENTION["eager"](q, k, v, mask, 0.0, slopes)
+    torch.testing.assert_close(ATTENTION["sdpa"](q, k, v, mask, 0.0, slopes), reference, rtol=1e-5, atol=1e-5)
     # the bias changes the result: the test is not vacuous
     assert not torch.allclose(reference, ATTENTION["eager"](q, k, v, mask, 0.0))
 
 
 def test_alibi_bias_is_minus_slope_times_distance():
     model = BertForMLM(tiny(attention_bias="alibi", num_heads=2), VOCAB)
-    bias = model.encoder.blocks[0].attention.distance_bias(4, torch.device("cpu"))
-    assert bias.shape == (2, 4, 4)
+    slopes = model.encoder.blocks[0].attention.slopes
+    bias = alibi_bias(slopes, 4)
+    assert bias.shape == (2, 4, 4) and slopes.dtype == torch.float32
     torch.testing.assert_close(bias[0, 0], torch.tensor([0.0, -1.0, -2.0, -3.0]))
     torch.testing.assert_close(bias[1, 3], torch.tensor([-0.75, -0.5, -0.25, 0.0]))  # slope 1/4
-    assert BertForMLM(tiny(), VOCAB).encoder.blocks[0].attention.distance_bias(4, torch.device("cpu")) is None
+    assert BertForMLM(tiny(), VOCAB).encoder.blocks[0].attention.slopes is None
     assert not any("slopes" in key for key in model.state_dict())  # rebuilt from the arch, never saved
 
 
@@ -164,8 +165,6 @@ def test_alibi_config_errors_name_the_fix():
         tiny(attention_bias="alibi", num_heads=2, alibi_slopes=[1.0])
     with pytest.raises(ValueError, match="arch.attention_bias"):
         tiny(attention_bias="rotary")
-    with pytest.raises(ValueError, match="impl.attention=sdpa"):
-        BertForMLM(tiny(attention_bias="alibi"), VOCAB, attention="triton")
 
 
 @pytest.mark.parametrize("attention_bias", ["none", "alibi"])
@@ -276,14 +275,18 @@ def hf_to_ours(sd: dict, num_layers: int) -> dict:
     return out
 
 
-def test_model_with_triton_kernels_matches_pytorch(monkeypatch):
-    """The dispatch wiring: the same weights through the Triton kernels (interpreted on CPU) and PyTorch."""
+@pytest.mark.parametrize("attention_bias", ["none", "alibi"])
+def test_model_with_triton_kernels_matches_pytorch(monkeypatch, attention_bias):
+    """The dispatch wiring: the same weights through the Triton kernels (interpreted on CPU) and PyTorch;
+    with ALiBi the kernel gets the slopes, SDPA the dense bias."""
     if not torch.cuda.is_available():
         monkeypatch.setenv("TRITON_INTERPRET", "1")
     for module in ("cramming.kernels.attention", "cramming.kernels.layernorm"):
         if ops.triton_unavailable(module, torch.device("cuda" if torch.cuda.is_available() else "cpu")):
             pytest.skip(f"{module} cannot run here")
-    arch = tiny(num_layers=1, hidden_size=32, num_heads=2, intermediate_size=64)
+    arch = tiny(
+        num_layers=1, hidden_size=32, num_heads=2, intermediate_size=64, attention_bias=attention_bias
+    )
     device = "cuda" if torch.cuda.is_available() else "cpu"
     reference = build_model(arch, 64, device=device, dropout=0.0)
     kernels = build_model(

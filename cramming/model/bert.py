@@ -14,7 +14,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cramming.errors import config_error
 from cramming.model.config import ArchConfig
 from cramming.model.ops import ATTENTION, FFN_ACTIVATION, LAYERNORM, LOSS
 
@@ -100,29 +99,17 @@ class SelfAttention(nn.Module):
         self.out = nn.Linear(arch.hidden_size, arch.hidden_size, bias=arch.bias)
         self.dropout_p = dropout
         self.fn = ATTENTION[attention]
-        if arch.attention_bias == "alibi" and attention == "triton":
-            raise config_error(
-                "impl.attention", attention,
-                "the Triton attention kernel has no additive bias: use impl.attention=sdpa (or eager) with"
-                " arch.attention_bias=alibi",
-            )  # fmt: skip
+        # ALiBi: every backend takes the slopes and adds -slope_h * |i - j| to head h's scores (the PyTorch
+        # ones as a dense `ops.alibi_bias`, the Triton kernel in registers)
         slopes = torch.tensor(arch.head_slopes()) if arch.attention_bias == "alibi" else None
-        self.register_buffer("slopes", slopes, persistent=False)  # (heads,) or None; rebuilt from the arch
-
-    def distance_bias(self, seq: int, device: torch.device) -> torch.Tensor | None:
-        """ALiBi: -slope_h * |i - j| (heads, seq, seq), or None without an attention bias."""
-        if self.slopes is None:
-            return None
-        position = torch.arange(seq, device=device)
-        distance = (position[:, None] - position[None, :]).abs().float()  # (seq, seq)
-        return -self.slopes[:, None, None] * distance
+        self.register_buffer("slopes", slopes, persistent=False)  # (heads,) fp32 or None; from the arch
 
     def forward(self, x: torch.Tensor, key_padding_mask: torch.Tensor | None) -> torch.Tensor:
         batch, seq, hidden = x.shape
         qkv = self.qkv(x).view(batch, seq, 3, self.num_heads, hidden // self.num_heads)
         q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each (batch, heads, seq, head_dim)
         dropout = self.dropout_p if self.training else 0.0
-        y = self.fn(q, k, v, key_padding_mask, dropout, self.distance_bias(seq, x.device))
+        y = self.fn(q, k, v, key_padding_mask, dropout, self.slopes)
         return self.out(y.transpose(1, 2).reshape(batch, seq, hidden))  # (batch, seq, hidden)
 
 

@@ -18,9 +18,11 @@ import torch.nn.functional as F
 
 log = logging.getLogger("cramming")
 
-# attention(q, k, v, key_padding_mask, dropout_p, bias) -> out; q, k, v, out: (batch, heads, seq, head_dim);
-# key_padding_mask: (batch, seq) bool, True = a real token, or None when nothing is padded; bias: None or an
-# additive (heads, seq, seq) term on the scaled scores (arch.attention_bias), which the Triton kernel lacks.
+# attention(q, k, v, key_padding_mask, dropout_p, alibi_slopes) -> out; q, k, v, out: (batch, heads, seq,
+# head_dim); key_padding_mask: (batch, seq) bool, True = a real token, or None when nothing is padded;
+# alibi_slopes: None, or (heads,) fp32 slopes of the ALiBi bias -slope_h * |i - j| on the scaled scores
+# (arch.attention_bias=alibi). The PyTorch backends add it as a dense `alibi_bias`; the Triton kernel computes
+# it in registers from the slopes.
 AttentionFn = Callable[..., torch.Tensor]
 # layer_norm(x, weight, bias, eps) -> normalized x over its last dimension
 LayerNormFn = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None", float], torch.Tensor]
@@ -35,11 +37,19 @@ class KernelUnavailableError(RuntimeError):
     """A Triton kernel was requested with impl.strict_kernels=true but cannot launch here."""
 
 
-def eager_attention(q, k, v, key_padding_mask=None, dropout_p: float = 0.0, bias=None):
-    """The reference: softmax(q k^T / sqrt(d) + bias) v, written out."""
+def alibi_bias(slopes: torch.Tensor, seq: int) -> torch.Tensor:
+    """ALiBi (Press et al., arXiv 2108.12409), symmetric for a bidirectional model: the (heads, seq, seq)
+    fp32 bias -slope_h * |i - j| for query i and key j, on the slopes' device."""
+    position = torch.arange(seq, device=slopes.device)
+    distance = (position[:, None] - position[None, :]).abs().float()  # (seq, seq)
+    return -slopes.float()[:, None, None] * distance
+
+
+def eager_attention(q, k, v, key_padding_mask=None, dropout_p: float = 0.0, alibi_slopes=None):
+    """The reference: softmax(q k^T / sqrt(d) + alibi) v, written out."""
     scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))  # (batch, heads, seq, seq)
-    if bias is not None:
-        scores = scores + bias
+    if alibi_slopes is not None:
+        scores = scores + alibi_bias(alibi_slopes, q.shape[-2])
     if key_padding_mask is not None:
         # a large negative number rather than -inf keeps a fully padded row finite
         scores = scores.masked_fill(~key_padding_mask[:, None, None, :], torch.finfo(scores.dtype).min)
@@ -48,23 +58,23 @@ def eager_attention(q, k, v, key_padding_mask=None, dropout_p: float = 0.0, bias
     return probs @ v
 
 
-def sdpa_attention(q, k, v, key_padding_mask=None, dropout_p: float = 0.0, bias=None):
-    """PyTorch's fused scaled_dot_product_attention (flash / memory-efficient kernels where they apply)."""
+def sdpa_attention(q, k, v, key_padding_mask=None, dropout_p: float = 0.0, alibi_slopes=None):
+    """PyTorch's fused scaled_dot_product_attention (flash / memory-efficient kernels where they apply).
+    With ALiBi it takes a dense (heads, seq, seq) float mask, which rules out its flash kernel."""
     mask = None if key_padding_mask is None else key_padding_mask[:, None, None, :]
-    if bias is not None:  # one float mask: the bias, and the most negative number on padded keys
-        bias = bias.to(q.dtype)
+    if alibi_slopes is not None:  # one float mask: the bias, and the most negative number on padded keys
+        bias = alibi_bias(alibi_slopes, q.shape[-2]).to(q.dtype)
         mask = bias if mask is None else bias.masked_fill(~mask, torch.finfo(q.dtype).min)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
 
 
-def triton_attention(q, k, v, key_padding_mask=None, dropout_p: float = 0.0, bias=None):
-    if bias is not None:
-        raise ValueError(
-            "the Triton attention kernel has no additive bias: use impl.attention=sdpa with arch.attention_bias"
-        )
+def triton_attention(q, k, v, key_padding_mask=None, dropout_p: float = 0.0, alibi_slopes=None):
+    """The fused FlashAttention-2 kernel; ALiBi from the slopes inside it, no (heads, seq, seq) tensor."""
     from cramming.kernels.attention import flash_attention
 
-    return flash_attention(q, k, v, key_padding_mask=key_padding_mask, dropout_p=dropout_p)
+    return flash_attention(
+        q, k, v, key_padding_mask=key_padding_mask, dropout_p=dropout_p, alibi_slopes=alibi_slopes
+    )
 
 
 def torch_layer_norm(x, weight, bias=None, eps: float = 1e-12):
