@@ -5,7 +5,9 @@
     python scripts/bench_kernels.py --smoke      # CPU: tiny shapes in the Triton interpreter (timings meaningless)
 
 Attention: ours (with and without a key-padding mask) against SDPA's flash backend (the reference; it
-takes no mask), SDPA's memory-efficient backend with the mask, and eager PyTorch. LayerNorm against
+takes no mask), SDPA's memory-efficient backend with the mask, and eager PyTorch. Attention with ALiBi
+(arch.attention_bias=alibi, slopes 4^-h): ours, the bias computed in the kernel from the slopes, against
+the model's SDPA path, which builds the dense (heads, seq, seq) float bias on every call (the reference). LayerNorm against
 F.layer_norm; gated GELU against `gate * F.gelu(value)`; cross-entropy against
 `F.cross_entropy(logits.float(), labels)` at the sparse MLM head's shape (batch x 32 masked rows, vocab 32768).
 
@@ -169,6 +171,31 @@ def bench_attention(seq: int, args) -> list[Row]:
     return [r for r in rows if r is not None]
 
 
+def bench_attention_alibi(seq: int, args) -> list[Row]:
+    """ALiBi as the model runs it: `ops.sdpa_attention` (dense float bias, built per call) against the
+    fused kernel given the slopes, without and with a padding mask."""
+    from cramming.kernels.attention import flash_attention
+    from cramming.model.ops import sdpa_attention
+
+    shape = (args.batch, args.heads, seq, args.head_dim)
+    q, k, v = (
+        torch.randn(shape, device=DEVICE, dtype=args.torch_dtype, requires_grad=True) for _ in range(3)
+    )
+    do = torch.randn_like(q)
+    lengths = torch.randint(seq // 4 + 1, seq + 1, (args.batch,), device=DEVICE)
+    mask = torch.arange(seq, device=DEVICE)[None, :] < lengths[:, None]
+    slopes = torch.tensor([4.0**-h for h in range(args.heads)], device=DEVICE)
+    impls = {
+        "SDPA, ALiBi float bias (reference)": lambda: sdpa_attention(q, k, v, None, 0.0, slopes),
+        "SDPA, ALiBi float bias + padding mask": lambda: sdpa_attention(q, k, v, mask, 0.0, slopes),
+        "triton (ours), ALiBi": lambda: flash_attention(q, k, v, alibi_slopes=slopes),
+        "triton (ours), ALiBi + padding mask": lambda: flash_attention(q, k, v, mask, alibi_slopes=slopes),
+    }
+    flops = 4 * args.batch * args.heads * seq * seq * args.head_dim / 1e12
+    rows = [measure(name, fn, (q, k, v), do, (flops, 3.5 * flops), args) for name, fn in impls.items()]
+    return [r for r in rows if r is not None]
+
+
 def sweep_attention(seq: int, args) -> list[list[str]]:
     """Forward + backward time of a few tile configurations (no mask), best first."""
     from cramming.kernels.attention import _FlashAttention, attention_tiles
@@ -312,6 +339,14 @@ def main() -> int:
             "The padding mask gives each sequence a random length between a quarter and all of the sequence."
         )
         lines += section(title, note, bench_attention(seq, args), attention_ref, "TFLOP/s")
+        title = f"Attention with ALiBi, batch {args.batch}, {args.heads} heads, seq {seq}, head_dim {args.head_dim}"
+        print(title)
+        note = (
+            "Slopes 4^-h (the default). SDPA gets the dense (heads, seq, seq) bias as a float mask (with padding "
+            "also the most negative float on padded keys), built on every call as in the model; the kernel "
+            "gets the slopes. Same random lengths as above."
+        )
+        lines += section(title, note, bench_attention_alibi(seq, args), "SDPA, ALiBi", "TFLOP/s")
         if args.sweep:
             print(f"attention tile sweep, seq {seq}")
             lines += [f"### Tile sweep, seq {seq}, no mask, fastest forward + backward first", ""]

@@ -2,11 +2,13 @@
 # One prepared GPU run, inside 8 minutes on an H200: every stage has its own timeout, and no stage may run
 # past a deadline of 470 s from the start (a stage that would is cut short, and the summary says so).
 #   1. the kernel tests on CUDA (fp32/fp16 at the awkward CPU shapes, then bf16/fp16 at BERT shapes and
-#      the speed checks marked `gpu`), and the FLOP-count tests;
+#      the speed checks marked `gpu`; ALiBi included: parity with the SDPA path given the dense float bias,
+#      and no bias tensor in the kernel's peak memory), and the FLOP-count tests;
 #   2. scripts/aot_check.py --compare-gpu: the AOT compile of every kernel for this GPU's target (bf16)
 #      beside the registers and spills the driver reports for the kernels the launchers really compiled;
 #   3. scripts/bench_kernels.py: attention, LayerNorm, gated GELU and cross-entropy against PyTorch, bf16,
-#      batch 128, 12 heads, seq 128 and 512, head_dim 64 (SWEEP=1 adds the tile sweep, ~2 minutes more);
+#      batch 128, 12 heads, seq 128 and 512, head_dim 64, and attention with ALiBi against the model's SDPA
+#      path with the float bias (SWEEP=1 adds the tile sweep, ~2 minutes more);
 #   4. scripts/bench_pretrain.py: full training steps of crammed-bert at seq 128, micro-batch 128, bf16,
 #      compiled, against Hugging Face BertForMaskedLM of the closest shape: tokens/s, FLOP/s, MFU against a
 #      matmul peak measured in the same run, peak memory, data-path share (SDPA + torch LayerNorm), then

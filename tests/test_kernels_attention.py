@@ -388,6 +388,45 @@ def test_gpu_half_precision(shape, dtype):
 
 @needs_gpu
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize(
+    "shape", [(4, 12, 128, 64, None), (2, 4, 512, 64, [512, 300]), (2, 4, 512, 128, [511, 1])]
+)
+def test_gpu_alibi_half_precision(shape, dtype):
+    q, k, v, mask = _inputs(*shape, dtype)
+    slopes = torch.tensor(_default_slopes(shape[1]), device=DEVICE)
+    do = torch.randn_like(q)
+    out, grads = _run(lambda q, k, v: flash_attention(q, k, v, mask, alibi_slopes=slopes), q, k, v, do)
+    ref_out, ref_grads = _run(lambda q, k, v: sdpa_alibi_reference(q, k, v, mask, slopes), q, k, v, do)
+    order = summation_atol(q, k, v, do, mask, shape[3] ** -0.5, alibi_bias(slopes, shape[2]))
+    _compare(out, grads, ref_out, ref_grads, dtype, order)
+
+
+@needs_gpu
+@pytest.mark.gpu
+def test_gpu_alibi_allocates_no_bias_tensor():
+    # the (heads, seq, seq) fp32 bias would be 12 MiB here; the kernel's peak must not grow by any of it
+    batch, heads, seq = 2, 12, 512
+    q, k, v, mask = _inputs(batch, heads, seq, 64, [512, 300], torch.bfloat16)
+    slopes = torch.tensor(_default_slopes(heads), device=DEVICE)
+    do = torch.randn_like(q)
+
+    def peak(fn):
+        _run(fn, q, k, v, do)  # compile outside the measurement
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        _run(fn, q, k, v, do)
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - before
+
+    plain = peak(lambda q, k, v: flash_attention(q, k, v, mask))
+    alibi = peak(lambda q, k, v: flash_attention(q, k, v, mask, alibi_slopes=slopes))
+    assert alibi - plain < 64 * 1024, f"ALiBi added {(alibi - plain) / 2**20:.2f} MiB to the peak"
+
+
+@needs_gpu
+@pytest.mark.gpu
 def test_gpu_faster_than_eager_at_seq_512_head_dim_128():
     q, k, v, mask = _inputs(8, 8, 512, 128, [512] * 4 + [300] * 4, torch.bfloat16)
     do = torch.randn_like(q)
