@@ -101,7 +101,8 @@ def _torch_dtype(name: str):
 
 def attention_launches(dtype: str, cc: int) -> Iterator[Compile]:
     """The forward, preprocess, dK/dV and dQ launches of `kernels/attention.py` for the model's layout:
-    q, k, v views into a fused (batch, seq, 3, heads, head_dim) projection; outputs (batch, seq, heads, d)."""
+    q, k, v views into a fused (batch, seq, 3, heads, head_dim) projection; outputs (batch, seq, heads, d);
+    with and without a padding mask, dropout and the ALiBi slopes (arch.attention_bias=alibi)."""
     import torch
 
     tdtype = _torch_dtype(dtype)
@@ -113,13 +114,17 @@ def attention_launches(dtype: str, cc: int) -> Iterator[Compile]:
             out = torch.empty(2, seq, heads, head_dim, dtype=tdtype).transpose(1, 2)
             lse = torch.empty(2, heads, seq, dtype=torch.float32)
             kpm = torch.ones(2, seq, dtype=torch.uint8)
+            slopes = torch.ones(heads, dtype=torch.float32)
             tensors = dict(
                 Q=q, K=k, V=v, KPM=kpm, OUT=out, DO=out, DQ=out, DK=out, DV=out, LSE=lse, DELTA=lse
             )
-            for has_kpm in (False, True):
-                for dropout in (False, True):
-                    case = {**tensors, "KPM": kpm if has_kpm else q}
-                    yield from _attention_case(dtype, cc, case, seq, heads, head_dim, has_kpm, dropout)
+            for alibi in (False, True):
+                for has_kpm in (False, True):
+                    for dropout in (False, True):
+                        case = {**tensors, "KPM": kpm if has_kpm else q, "SLOPES": slopes if alibi else q}
+                        yield from _attention_case(
+                            dtype, cc, case, seq, heads, head_dim, has_kpm, dropout, alibi
+                        )
 
 
 def _attention_strides(tensors: dict, seq: int, has_kpm: bool) -> dict[str, int]:
@@ -135,15 +140,25 @@ def _attention_strides(tensors: dict, seq: int, has_kpm: bool) -> dict[str, int]
 
 
 def _attention_case(
-    dtype: str, cc: int, tensors: dict, seq: int, heads: int, head_dim: int, has_kpm: bool, dropout: bool
+    dtype: str,
+    cc: int,
+    tensors: dict,
+    seq: int,
+    heads: int,
+    head_dim: int,
+    has_kpm: bool,
+    dropout: bool,
+    alibi: bool,
 ) -> Iterator[Compile]:
     """The kernels one attention call launches (forward and backward) with the launcher's tiles."""
     from cramming.kernels import attention as A
 
     tiles = A.attention_tiles(seq, head_dim, _torch_dtype(dtype), divmod(cc, 10), dropout)
     shape = f"seq {seq}, d {head_dim}, {heads} heads" + (", padding mask" if has_kpm else "")
-    shape += ", dropout" if dropout else ""
-    flags = dict(HAS_KPM=has_kpm, DROPOUT=dropout, IEEE=dtype == "fp32", BLOCK_D=A.block_d(head_dim))
+    shape += (", dropout" if dropout else "") + (", ALiBi" if alibi else "")
+    flags = dict(
+        HAS_KPM=has_kpm, HAS_ALIBI=alibi, DROPOUT=dropout, IEEE=dtype == "fp32", BLOCK_D=A.block_d(head_dim)
+    )
     scalars = dict(H=heads, S=seq, D=head_dim, dropout_p=0.1 if dropout else 0.0, seed=12345)
     values = {**tensors, **_attention_strides(tensors, seq, has_kpm), **scalars}
     yield Compile(
@@ -154,7 +169,7 @@ def _attention_case(
         {**flags, "BLOCK_M": tiles.fwd_m, "BLOCK_N": tiles.fwd_n},
         dict(num_warps=tiles.fwd_warps, num_stages=tiles.stages),
     )
-    if not has_kpm and not dropout:  # the preprocess kernel takes neither
+    if not has_kpm and not dropout and not alibi:  # the preprocess kernel takes none of them
         yield Compile(
             "attention bwd preprocess",
             f"seq {seq}, d {head_dim}, {heads} heads",
@@ -452,10 +467,12 @@ def launch_every_kernel_on_gpu() -> None:
                 2, seq, 3, heads, hidden // heads, device=device, dtype=dtype, requires_grad=True
             )
             q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
-            for mask in (None, torch.ones(2, seq, device=device, dtype=torch.bool)):
-                for dropout in (0.0, 0.1):
-                    out = A.flash_attention(q, k, v, mask, dropout)
-                    out.transpose(1, 2).reshape(2, seq, hidden).sum().backward()
+            slopes = torch.tensor([4.0**-h for h in range(heads)], device=device)
+            for alibi in (None, slopes):
+                for mask in (None, torch.ones(2, seq, device=device, dtype=torch.bool)):
+                    for dropout in (0.0, 0.1):
+                        out = A.flash_attention(q, k, v, mask, dropout, alibi_slopes=alibi)
+                        out.transpose(1, 2).reshape(2, seq, hidden).sum().backward()
     for width in HIDDENS:
         x = torch.randn(128 * 128, width, device=device, dtype=dtype, requires_grad=True)
         weight = torch.ones(width, device=device, requires_grad=True)
