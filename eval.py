@@ -12,6 +12,7 @@ from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from cramming.config import register_configs, validate
@@ -28,8 +29,9 @@ register_configs()
 
 
 @hydra.main(config_path="conf", config_name="eval", version_base="1.3")
-def main(cfg: DictConfig) -> None:
-    run_job(evaluate, cfg, kind="eval")  # the run card is written however the job ends
+def main(cfg: DictConfig) -> float | None:
+    # the run card is written however the job ends; the GLUE average is what an Optuna search maximizes
+    return run_job(evaluate, cfg, kind="eval")
 
 
 HF_PREFIX = "hf:"
@@ -46,7 +48,7 @@ def load_backbone(config: EvalRunConfig) -> tuple[Path, Backbone]:
     return checkpoint, checkpoint_backbone(checkpoint, config.impl)
 
 
-def evaluate(cfg: DictConfig, card: RunCard) -> None:
+def evaluate(cfg: DictConfig, card: RunCard) -> float | None:
     try:
         config = validate(cfg, EvalRunConfig)
         config.impl.apply_threads()
@@ -57,10 +59,13 @@ def evaluate(cfg: DictConfig, card: RunCard) -> None:
         raise JobFailed(err, exit_code=2) from err
     log.info("evaluating %s on %s with %s", checkpoint, ", ".join(config.eval.tasks), config.eval.optim.name)
     try:
-        report = run_glue(config, backbone, Path(HydraConfig.get().runtime.output_dir))
+        hydra = HydraConfig.get()
+        sweep_job = hydra.job.num if hydra.mode == RunMode.MULTIRUN else None  # resume=true: its own number
+        report = run_glue(config, backbone, Path(hydra.runtime.output_dir), sweep_job=sweep_job)
     except (ConfigError, DataSourceError, KernelUnavailableError) as err:  # e.g. a named task without data
         raise JobFailed(err, exit_code=2) from err
     card.record_glue(checkpoint, report)
+    return report["glue_average"]
 
 
 if __name__ == "__main__":

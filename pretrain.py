@@ -14,6 +14,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
+from cramming.cluster import hand_back_to_launcher
 from cramming.config import register_configs, validate
 from cramming.data import prepare_pretraining_data
 from cramming.errors import ConfigError, DataSourceError
@@ -28,11 +29,12 @@ register_configs()
 
 
 @hydra.main(config_path="conf", config_name="pretrain", version_base="1.3")
-def main(cfg: DictConfig) -> None:
-    run_job(pretrain, cfg, kind="pretrain")  # the run card is written however the job ends
+def main(cfg: DictConfig) -> float | None:
+    # the run card is written however the job ends; the validation loss is what an Optuna search minimizes
+    return run_job(pretrain, cfg, kind="pretrain")
 
 
-def pretrain(cfg: DictConfig, card: RunCard) -> None:
+def pretrain(cfg: DictConfig, card: RunCard) -> float | None:
     try:
         config = validate(cfg)
         ranks = distributed.init_from_env(config.impl)  # under torchrun: one process per GPU
@@ -52,7 +54,7 @@ def pretrain(cfg: DictConfig, card: RunCard) -> None:
     card.record_pretraining_data(data.path, data.stats, data.vocab_size)
     if config.dryrun:
         log.info("dryrun: data ready at %s; exiting before training", data.path)
-        return
+        return None
     # the budget clock starts inside train(): preprocessing above does not count against it
     run_dir = distributed.rank_zero_value(ranks, Path(HydraConfig.get().runtime.output_dir))  # one for all
     try:
@@ -65,8 +67,10 @@ def pretrain(cfg: DictConfig, card: RunCard) -> None:
         raise JobFailed(err, exit_code=3) from err
     card.record_pretraining(result)
     if result.checkpoint is None:  # stopped by a signal, after saving a resumable state
+        hand_back_to_launcher(result.stop_reason)  # a cluster job: requeued, continues from its folder
         log.info("interrupted; continue with: python pretrain.py name=%s resume=true ...", config.name)
         sys.exit(128 + signal.Signals[result.stop_reason])
+    return (result.validation or {}).get("loss")
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ from pathlib import Path
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
+from cramming.cluster import job_minutes
 from cramming.data.config import DataConfig
 from cramming.errors import ConfigError, check_choice, config_error
 from cramming.eval.anytime import AnytimeConfig
@@ -74,8 +75,12 @@ def register_configs() -> None:
     cs = ConfigStore.instance()
     cs.store(name="pretrain_schema", node=PretrainConfig)
     cs.store(name="eval_schema", node=EvalRunConfig)
-    # hydra.run.dir / hydra.sweep.dir: ${run_dir:${base_dir},${name},<stamp>} claims a folder of its own
-    OmegaConf.register_new_resolver("run_dir", claim_run_dir, replace=True)
+    # hydra.run.dir / hydra.sweep.dir: ${run_dir:${base_dir},${name},<stamp>} claims a folder of its own. Cached:
+    # a launcher that runs each job in a process of its own (submitit) hands the job the sweep config's
+    # cache, so the job resolves the sweep folder its launcher claimed instead of claiming another
+    OmegaConf.register_new_resolver("run_dir", claim_run_dir, replace=True, use_cache=True)
+    # conf/hydra/launcher/*.yaml: a job's time limit from its budget
+    OmegaConf.register_new_resolver("job_minutes", job_minutes, replace=True)
 
 
 def validate(cfg: DictConfig, schema: type = PretrainConfig):

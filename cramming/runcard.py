@@ -220,8 +220,9 @@ def card_status(card: dict) -> str:
 # ------------------------------------------------------------------------------------------- running a job
 
 
-def run_job(task: Callable[[DictConfig, RunCard], None], cfg: DictConfig, kind: str) -> None:
-    """Run one Hydra job's `task(cfg, card)` inside its run card, written however the job ends.
+def run_job(task: Callable[[DictConfig, RunCard], float | None], cfg: DictConfig, kind: str) -> float | None:
+    """Run one Hydra job's `task(cfg, card)` inside its run card, written however the job ends. Returns what
+    the task returns (the objective an Optuna sweeper reads), None when the job failed.
 
     JobFailed: logged; a single run exits with its exit_code, a multirun job is recorded as failed and the
     sweep goes on. Any other exception: a single run raises it (traceback, non-zero exit); a multirun job
@@ -232,7 +233,7 @@ def run_job(task: Callable[[DictConfig, RunCard], None], cfg: DictConfig, kind: 
     card.write()
     multirun = card.job.get("multirun", False)
     try:
-        task(cfg, card)
+        objective = task(cfg, card)
     except JobFailed as err:
         log.error("%s", err)
         card.end("failed", str(err))
@@ -250,6 +251,8 @@ def run_job(task: Callable[[DictConfig, RunCard], None], cfg: DictConfig, kind: 
     else:
         card.end("ok")
         log.info("run card: %s", card.run_dir / RUN_CARD)
+        return objective
+    return None
 
 
 # exit status of a run whose configuration is wrong (README: exit codes)

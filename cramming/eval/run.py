@@ -90,18 +90,41 @@ def recipe_of(cfg: EvalRunConfig, source: str) -> dict:
     return json.loads(json.dumps(recipe))
 
 
-def earlier_runs(cfg: EvalRunConfig, recipe: dict) -> dict[tuple[str, int], dict]:
-    """resume=true: the finished runs of the newest earlier evaluation of cfg.name, keyed by (task, seed).
+def earlier_evaluation(cfg: EvalRunConfig, run_dir: Path, sweep_job: int | None) -> Path | None:
+    """The folder whose finished runs this evaluation takes up, or None.
 
-    Runs the eval budget stopped are left out (they run again). Raises ConfigError when there is no earlier
-    evaluation, or when it used another checkpoint or recipe (naming the settings that differ)."""
+    Its own folder when that holds runs: a sweep job that its launcher started again in the same folder after a
+    preemption or a time limit (a first start's folder is new and empty). Else, with resume=true, the newest
+    earlier evaluation of cfg.name; for job N of a multirun, job N of the newest earlier multirun
+    (`multirun_<stamp>/N`: the same command numbers its jobs the same way, and the recipe check below refuses
+    a job N that ran something else)."""
+    if (run_dir / RUNS_JSON).exists():
+        return run_dir
     if not cfg.resume:
+        return None
+    if sweep_job is None:
+        return newest_run_dir(cfg.base_dir, cfg.name, RUNS_JSON)
+    sweep = newest_run_dir(cfg.base_dir, cfg.name, f"{sweep_job}/{RUNS_JSON}")
+    return None if sweep is None else sweep / str(sweep_job)
+
+
+def earlier_runs(
+    cfg: EvalRunConfig, recipe: dict, run_dir: Path, sweep_job: int | None = None
+) -> dict[tuple[str, int], dict]:
+    """The finished runs of the earlier evaluation this one continues (earlier_evaluation), keyed by
+    (task, seed); none for a fresh evaluation.
+
+    Runs the eval budget stopped are left out (they run again). Raises ConfigError when resume=true finds no
+    earlier evaluation, or when it used another checkpoint or recipe (naming the settings that differ)."""
+    folder = earlier_evaluation(cfg, run_dir, sweep_job)
+    if folder is None and not cfg.resume:
         return {}
-    folder = newest_run_dir(cfg.base_dir, cfg.name, RUNS_JSON)  # this run's own folder has none yet
     if folder is None:
+        where = f"{cfg.base_dir}/{cfg.name}/multirun_*/{sweep_job}" if sweep_job is not None else cfg.name
         raise ConfigError(
             f"resume=true, but no earlier evaluation named {cfg.name!r} left {RUNS_JSON} under"
-            f" {Path(cfg.base_dir) / cfg.name}: give the `name` of the evaluation to continue, or drop resume=true"
+            f" {Path(cfg.base_dir) / cfg.name} (looked for {where}): give the `name` of the evaluation to"
+            " continue, or drop resume=true"
         )
     path = folder / RUNS_JSON
     try:
@@ -130,16 +153,21 @@ def earlier_runs(cfg: EvalRunConfig, recipe: dict) -> dict[tuple[str, int], dict
 
 
 def run_glue(
-    cfg: EvalRunConfig, backbone: Backbone, run_dir: Path, clock: Callable[[], float] = time.monotonic
+    cfg: EvalRunConfig,
+    backbone: Backbone,
+    run_dir: Path,
+    clock: Callable[[], float] = time.monotonic,
+    sweep_job: int | None = None,
 ) -> dict:
     """Fine-tune and evaluate every task of cfg.eval.tasks; writes the JSON and markdown table to run_dir,
-    and after every finished (task, seed) the runs so far (RUNS_JSON), which resume=true takes up."""
+    and after every finished (task, seed) the runs so far (RUNS_JSON), which a requeued job and resume=true
+    take up. sweep_job: the job's number in a multirun (resume=true continues the same job of the last one)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     budget = BudgetClock(cfg.budget, clock) if cfg.budget is not None else None
     start = time.perf_counter()
     source = backbone.info.get("checkpoint") or backbone.info.get("path", "")
     recipe = recipe_of(cfg, source)
-    done = earlier_runs(cfg, recipe)
+    done = earlier_runs(cfg, recipe, run_dir, sweep_job)
     jobs, skipped, bad_rows = load_tasks(cfg)
     if not jobs:
         raise DataSourceError(

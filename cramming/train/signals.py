@@ -39,7 +39,9 @@ def catch_stop_signals() -> Iterator[StopSignals]:
     if threading.current_thread() is not threading.main_thread():  # handlers can only be set from there
         yield signals
         return
-    previous = {signal.Signals[name]: signal.signal(signal.Signals[name], signals.handle) for name in STOP_SIGNALS}
+    previous = {
+        signal.Signals[name]: signal.signal(signal.Signals[name], signals.handle) for name in STOP_SIGNALS
+    }
     try:
         yield signals
     finally:

@@ -1,0 +1,149 @@
+"""Sweeps as cluster jobs (cramming.cluster, conf/hydra/launcher/): the time limit from the budget, the hand-over
+of a stopped job to submitit, and, with submitit's local launcher (the twin of the SLURM one), a pretraining
+sweep whose jobs run as processes of their own, one of them interrupted by the scheduler's signal, requeued
+and finished bit-identical to its uninterrupted twin."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from cramming.cluster import SUBMITIT_ENV, hand_back_to_launcher, job_minutes
+from cramming.model.checkpoint import load_pretrained
+from cramming.report import build_report
+from cramming.runcard import RUN_CARD
+from cramming.train import checkpoint
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_job_minutes_is_the_budget_and_a_margin():
+    assert job_minutes(24) == 24 * 60 + 30
+    assert job_minutes(0.004, margin_min=5) == 6  # 0.24 minutes, rounded up
+    assert job_minutes(None) == 240  # an evaluation without a budget
+
+
+def test_only_submitits_signal_in_a_submitit_job_is_handed_back(monkeypatch):
+    received = []
+    previous = signal.signal(signal.SIGUSR2, lambda signum, frame: received.append(signum))
+    try:
+        monkeypatch.delenv(SUBMITIT_ENV, raising=False)
+        hand_back_to_launcher("SIGUSR2")  # a plain run: stops with exit 140, nothing to hand back to
+        pytest.importorskip("submitit", reason="the cluster extra: pip install .[cluster]")
+        monkeypatch.setenv(SUBMITIT_ENV, "local")
+        hand_back_to_launcher("SIGTERM")  # a cancel (or SLURM's own preemption requeue): no requeue asked
+        hand_back_to_launcher("SIGINT")
+        assert received == []
+        hand_back_to_launcher("SIGUSR2")
+        assert received == [signal.SIGUSR2]  # submitit's handler would requeue the job and exit
+    finally:
+        signal.signal(signal.SIGUSR2, previous)
+
+
+def test_a_run_finds_a_state_only_in_its_own_folder(tmp_path):
+    assert checkpoint.own_state(tmp_path) is None  # a first start: a new, empty folder
+    (tmp_path / checkpoint.PREVIOUS).write_bytes(b"")
+    assert checkpoint.own_state(tmp_path) == tmp_path / checkpoint.PREVIOUS
+    (tmp_path / checkpoint.STATE).write_bytes(b"")
+    assert checkpoint.own_state(tmp_path) == tmp_path / checkpoint.STATE
+
+
+# ------------------------------------------------------------------------ a sweep through the local launcher
+
+STEPS = 100  # ~0.1 s an update on one CPU thread: the signal lands well inside training
+
+
+def pretraining(base_dir: Path) -> list[str]:
+    """Tiny runs whose result depends on the updates only (a step schedule, train.steps; the budget is far)."""
+    return [
+        "arch=tiny", "data=embedded", "data.seq_length=32", f"base_dir={base_dir}", "name=cluster",
+        "budget=1", f"train.steps={STEPS}", "train.lr_schedule=steps-linear", "impl.microbatch_size=8",
+        "train.batch_size=32", "train.batch_size_ramp=0", "train.dropout=0.1", "impl.cpu_threads=1",
+        "impl.num_workers=0", "train.validation_rows=16", "hydra/launcher=local",
+    ]  # fmt: skip
+
+
+def wait_for(condition, proc: subprocess.Popen, timeout: float = 300.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            out, _ = proc.communicate(timeout=60) if proc.poll() is not None else ("", "")
+            raise AssertionError(f"the sweep ended or stalled before the condition held:\n{out[-4000:]}")
+        time.sleep(0.05)
+
+
+def interrupt_when_training(job_dir: Path, proc: subprocess.Popen) -> int:
+    """SIGUSR2, as SLURM sends it before a time limit, to the job's own process once it has trained."""
+    wait_for(lambda: (job_dir / "metrics.jsonl").exists() and (job_dir / RUN_CARD).exists(), proc)
+    pid = json.loads((job_dir / RUN_CARD).read_text())["process"]["pid"]
+    os.kill(pid, signal.SIGUSR2)
+    return pid
+
+
+@pytest.fixture(scope="module")
+def local_sweep(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess, int]:
+    """Two jobs that compute the same thing (train.log_every changes only how often a line is written); job 1
+    is interrupted. Returns the sweep folder, the finished sweep and the pid of job 1's first process."""
+    pytest.importorskip(
+        "hydra_plugins.hydra_submitit_launcher", reason="the cluster extra: pip install .[cluster]"
+    )
+    base_dir = tmp_path_factory.mktemp("cluster")
+    command = [sys.executable, "pretrain.py", "-m", *pretraining(base_dir), "train.log_every=10,20"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HYDRA_FULL_ERROR": "1"}
+    proc = subprocess.Popen(
+        command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    try:
+        wait_for(lambda: any((base_dir / "cluster").glob("multirun_*/1")), proc)
+        (sweep,) = (base_dir / "cluster").glob("multirun_*")
+        first_pid = interrupt_when_training(sweep / "1", proc)
+        out, _ = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return sweep, subprocess.CompletedProcess(command, proc.returncode, out, ""), first_pid
+
+
+@pytest.mark.slow
+def test_local_launcher_runs_each_job_in_a_process_of_its_own(local_sweep):
+    sweep, done, _ = local_sweep
+    assert done.returncode == 0, done.stdout[-4000:]
+    assert list(sweep.parent.iterdir()) == [sweep]  # one sweep folder, not one per job process
+    cards = [json.loads((sweep / str(n) / RUN_CARD).read_text()) for n in (0, 1)]
+    assert [card["status"] for card in cards] == ["ok", "ok"]
+    assert cards[0]["process"]["pid"] != cards[1]["process"]["pid"] != os.getpid()
+    for card in cards:
+        assert Path(card["run_dir"]).parent == sweep and card["job"]["multirun"]
+        assert (Path(card["run_dir"]) / "checkpoint" / "model.safetensors").is_file()
+        assert (Path(card["run_dir"]) / "pretrain.log").is_file()  # the job's log beside its card
+        assert card["metrics"]["updates"] == STEPS
+    report = build_report(sweep).read_text()
+    rows = [line for line in report.splitlines() if line.startswith(("| 0 ", "| 1 "))]
+    assert len(rows) == 2, report
+
+
+@pytest.mark.slow
+def test_an_interrupted_job_is_requeued_and_ends_bit_identical(local_sweep):
+    sweep, _, first_pid = local_sweep
+    interrupted = sweep / "1"
+    card = json.loads((interrupted / RUN_CARD).read_text())
+    assert card["process"]["pid"] != first_pid  # the card is the requeued process's
+    log = (interrupted / "pretrain.log").read_text()
+    assert "SIGUSR2 received" in log and "handing the job back to submitit" in log
+    assert f"resuming from {interrupted / checkpoint.STATE}" in log  # no resume=true: its folder told it
+    submitit_logs = "".join(p.read_text() for p in sweep.glob(".submitit/*/*_log.out"))
+    assert "Requeued job" in submitit_logs
+    # the budget counts on: the requeued process was charged only its own part
+    assert card["metrics"]["budget_hours_spent"] * 3600 > card["seconds"]["train"]
+    ours = load_pretrained(interrupted / "checkpoint").model.state_dict()
+    theirs = load_pretrained(sweep / "0" / "checkpoint").model.state_dict()
+    for name, value in theirs.items():
+        assert torch.equal(ours[name], value), f"{name} differs after the requeue"
