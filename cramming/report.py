@@ -11,6 +11,9 @@ writes into --out (default: the first folder)
     glue.png       GLUE scores per task, one bar per run (e.g. per optimizer), grouped by task
     anytime.png    downstream scores at fractions of the pretraining budget (runs with anytime evaluation)
 
+An Optuna search (hydra/sweeper=optuna) adds its section: the sweeper's optimization_results.yaml (the best
+trial) and one row per trial, with the values it tried and its objective.
+
 A run is a folder with a run_card.json (see cramming.runcard); folders with only a metrics.jsonl (runs from
 before run cards) are read too, as far as their files allow. Runs are labelled by the Hydra overrides that
 differ between them, so a sweep's rows and lines are named by what the sweep changed.
@@ -332,6 +335,47 @@ def draw_plots(
     return drawn, [PLOTS[name].lower() for name in plots if name not in drawn]
 
 
+# ----------------------------------------------------------------------------------------- Optuna searches
+
+# written into the sweep folder by hydra-optuna-sweeper at the end of a search
+SEARCH_RESULT = "optimization_results.yaml"
+# what eval.py and pretrain.py return to the sweeper, as their cards record it
+OBJECTIVES = {"eval": "glue_average", "pretrain": "val_loss"}
+
+
+def search_sections(folders: list[Path], runs: list[RunRecord]) -> list[str]:
+    """For each folder holding an Optuna search's result file: the best trial as the sweeper wrote it, and the
+    trial table (a trial is a job of the sweep; its objective is what the entry point returned)."""
+    lines = []
+    for result in sorted({p for folder in folders for p in Path(folder).resolve().rglob(SEARCH_RESULT)}):
+        sweep = result.parent
+        trials = [run for run in runs if run.path.parent == sweep]
+        # what was searched, from the sweeper's settings that Hydra saved with every trial
+        saved = [
+            run.path / ".hydra" / "hydra.yaml"
+            for run in trials
+            if (run.path / ".hydra" / "hydra.yaml").exists()
+        ]
+        searched = (OmegaConf.load(saved[0]).hydra.sweeper.params or {}) if saved else {}
+        rows = []
+        for run in trials:
+            tried = dict(o.split("=", 1) for o in run.card.get("job", {}).get("overrides", []) if "=" in o)
+            objective = OBJECTIVES.get(run.kind)
+            rows.append(
+                {"trial": run.card.get("job", {}).get("num"), "status": run.card.get("status")}
+                | {key: tried.get(key) for key in searched}
+                | {objective: _round(run.card.get("metrics", {}).get(objective), 4)}
+            )
+        best = OmegaConf.to_container(OmegaConf.load(result))
+        lines += ["", f"## Optuna search: {sweep.name}", ""]
+        lines.append(f"Searched {', '.join(f'`{k}`: `{v}`' for k, v in searched.items())}.")
+        lines.append(
+            f"Best ({SEARCH_RESULT}): {best.get('best_params')}, value {_round(best.get('best_value'), 4)}."
+        )
+        lines += ["", markdown_table(rows) if rows else "No trial has a run card."]
+    return lines
+
+
 def build_report(folders: str | Path | list[str | Path], out: str | Path | None = None) -> Path:
     """Write report.md, runs.csv and the plots for the runs under `folders` into `out` (default: the first
     folder); returns report.md."""
@@ -369,6 +413,7 @@ def build_report(folders: str | Path | list[str | Path], out: str | Path | None 
     if eval_rows:
         lines += ["", "## GLUE", "", markdown_table(eval_rows)]
         lines.append("Scores are medians over fine-tuning seeds, in [0, 1].")
+    lines += search_sections(folders, runs)
     lines += ["", "## Plots", ""]
     for name in drawn:
         lines += [f"### {PLOTS[name]}", "", f"![{PLOTS[name]}]({name}.png)", ""]

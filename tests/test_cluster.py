@@ -147,3 +147,81 @@ def test_an_interrupted_job_is_requeued_and_ends_bit_identical(local_sweep):
     theirs = load_pretrained(sweep / "0" / "checkpoint").model.state_dict()
     for name, value in theirs.items():
         assert torch.equal(ours[name], value), f"{name} differs after the requeue"
+
+
+# -------------------------------------------------------------------------- evaluations and Optuna searches
+
+GLUE_DIR = REPO.parent / "shared" / "data" / "glue"
+
+
+def small_glue(base_dir: Path, checkpoint: Path) -> list[str]:
+    if not GLUE_DIR.exists():
+        pytest.skip(f"shared GLUE data not found at {GLUE_DIR}")
+    return [
+        f"checkpoint={checkpoint}", f"base_dir={base_dir}", f"eval.glue_dir={GLUE_DIR}", "eval.tasks=[RTE]",
+        "eval.max_train_examples=32", "eval.max_eval_examples=32", "eval.epochs=1", "impl.device=cpu",
+        "impl.cpu_threads=1",
+    ]  # fmt: skip
+
+
+def run_sweep(script: str, *overrides: str) -> subprocess.CompletedProcess:
+    command = [sys.executable, script, "-m", *overrides]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HYDRA_FULL_ERROR": "1"}
+    return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.slow
+def test_an_interrupted_evaluation_job_is_requeued_and_keeps_its_finished_runs(local_sweep, tmp_path):
+    """An evaluation sweep through the same launcher; SIGUSR2 reaches job 1 during its fine-tuning (submitit's
+    own handler: requeue at once), and the requeued job fine-tunes only the (task, seed) runs not yet done."""
+    sweep, _, _ = local_sweep
+    seeds = "eval.seeds=[0,1,2,3,4,5]"
+    command = [sys.executable, "eval.py", "-m", *small_glue(tmp_path, sweep / "0"), seeds, "name=glue",
+               "hydra/launcher=local", "eval.optim.lr=1e-3,3e-3"]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HYDRA_FULL_ERROR": "1"}
+    proc = subprocess.Popen(
+        command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    try:
+        wait_for(lambda: any((tmp_path / "glue").glob("multirun_*/1/glue_runs.json")), proc)
+        (job,) = (tmp_path / "glue").glob("multirun_*/1")
+        kept = len(json.loads((job / "glue_runs.json").read_text())["runs"])
+        pid = json.loads((job / RUN_CARD).read_text())["process"]["pid"]
+        os.kill(pid, signal.SIGUSR2)
+        out, _ = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out[-4000:]
+    results = json.loads((job / "glue_results.json").read_text())
+    assert len(results["runs"]) == 6 and results["reused_runs"] >= kept >= 1
+    assert json.loads((job / RUN_CARD).read_text())["process"]["pid"] != pid  # the requeued process's card
+    assert "Requeued job" in "".join(p.read_text() for p in job.parent.glob(".submitit/*/*_log.out"))
+    assert json.loads((job.parent / "0" / RUN_CARD).read_text())["status"] == "ok"
+
+
+@pytest.mark.slow
+def test_the_learning_rate_search_is_a_seeded_optuna_study(local_sweep, tmp_path):
+    """conf/sweep/glue-lr-search.yaml in small: three trials on RTE; the trials are the seeded sampler's draws,
+    the sweeper's result names the best of them, and the report shows the result and the trial table."""
+    optuna = pytest.importorskip("optuna", reason="the cluster extra: pip install .[cluster]")
+    sweep, _, _ = local_sweep
+    done = run_sweep(
+        "eval.py", "+sweep=glue-lr-search", *small_glue(tmp_path, sweep / "0"), "hydra.sweeper.n_trials=3"
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    (search,) = (tmp_path / "glue-lr-search").glob("multirun_*")
+    cards = [json.loads((search / str(n) / RUN_CARD).read_text()) for n in range(3)]
+    tried = [card["config"]["eval"]["optim"]["lr"] for card in cards]
+    # the same draws from a study of the same seed and range: the search replays from its seed
+    study = optuna.create_study(sampler=optuna.samplers.TPESampler(seed=0), direction="maximize")
+    expected = [study.ask().suggest_float("eval.optim.lr", 1e-5, 3e-3, log=True) for _ in range(3)]
+    assert tried == pytest.approx(expected, rel=1e-12)
+    result = (search / "optimization_results.yaml").read_text()
+    scores = [card["metrics"]["glue_average"] for card in cards]
+    assert f"best_value: {max(scores)}" in result
+    report = build_report(search).read_text()
+    section = report.split("## Optuna search", 1)[1].split("## Plots")[0]
+    assert "optimization_results.yaml" in section and f"value {round(max(scores), 4)}" in section
+    for n, lr in enumerate(tried):
+        assert f"| {n} | ok | {lr} | {round(scores[n], 4)} |" in section, section

@@ -376,3 +376,44 @@ def test_resume_refuses_another_recipe_and_reruns_what_the_budget_cut_short(
     report = run_glue(cfg, backbone, here)
     assert tuned == ["RTE"] and report["reused_runs"] == 0  # a run the budget stopped is not a finished one
     assert report["scores"]["RTE"]["median"] == 0.75
+
+
+def test_a_requeued_evaluation_takes_up_its_own_runs_and_a_multirun_resumes_job_by_job(
+    sst2, tmp_path, glue_dir, monkeypatch
+):
+    """No resume=true is needed where the evaluation's own folder holds finished runs (its launcher started the
+    job again in the same folder); resume=true in a multirun continues job N of the newest earlier multirun."""
+    import cramming.eval.finetune as finetuning
+    from cramming.eval.finetune import TaskResult
+
+    _, checkpoint = sst2
+    cfg = EvalRunConfig(
+        eval=small_eval(glue_dir, tasks=["RTE"]),
+        impl=ImplConfig(device="cpu"),
+        checkpoint=str(checkpoint),
+        base_dir=str(tmp_path),
+        name="glue-z",
+    )
+    backbone = checkpoint_backbone(checkpoint, cfg.impl)
+    source = str(backbone.info["checkpoint"])
+    finished = {"task": "RTE", "seed": 0, "metrics": {"RTE": {"accuracy": 0.625}}, "train_examples": 48,
+                "steps": 3, "seconds": 1.0, "final_loss": 0.6, "stopped_by_budget": False}  # fmt: skip
+    tuned = []
+
+    def fake(task, *args, **kwargs):
+        tuned.append(task.name)
+        return TaskResult({"RTE": {"accuracy": 0.75}}, 48, 3, 0.1, 0.6, stopped_by_budget=False)
+
+    monkeypatch.setattr(finetuning, "finetune", fake)
+    requeued = tmp_path / "glue-z" / "multirun_2026-01-01_00-00-00" / "1"
+    requeued.mkdir(parents=True)
+    (requeued / RUNS_JSON).write_text(json.dumps({"recipe": recipe_of(cfg, source), "runs": [finished]}))
+    report = run_glue(cfg, backbone, requeued, sweep_job=1)
+    assert tuned == [] and report["reused_runs"] == 1 and report["scores"]["RTE"]["median"] == 0.625
+
+    # a later multirun with resume=true: its job 1 takes up job 1 of the multirun before, its job 0 has none
+    later = tmp_path / "glue-z" / "multirun_2026-01-01_00-10-00"
+    report = run_glue(replace(cfg, resume=True), backbone, later / "1", sweep_job=1)
+    assert tuned == [] and report["runs"][0]["reused_from"] == str(requeued)
+    with pytest.raises(ConfigError, match=r"no earlier evaluation named 'glue-z'.*multirun_\*/0"):
+        run_glue(replace(cfg, resume=True), backbone, later / "0", sweep_job=0)
