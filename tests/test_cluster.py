@@ -225,3 +225,39 @@ def test_the_learning_rate_search_is_a_seeded_optuna_study(local_sweep, tmp_path
     assert "optimization_results.yaml" in section and f"value {round(max(scores), 4)}" in section
     for n, lr in enumerate(tried):
         assert f"| {n} | ok | {lr} | {round(scores[n], 4)} |" in section, section
+
+
+def test_the_slurm_launcher_asks_for_one_gpu_the_budgets_time_and_the_warning_signal(tmp_path, monkeypatch):
+    """No SLURM here: the plugin's launcher, from conf/hydra/launcher/slurm.yaml, writes its sbatch script
+    (a stand-in `srun` on PATH lets submitit build it; the submission itself is caught)."""
+    pytest.importorskip(
+        "hydra_plugins.hydra_submitit_launcher", reason="the cluster extra: pip install .[cluster]"
+    )
+    import submitit
+    from hydra import compose, initialize_config_dir
+    from hydra.utils import instantiate
+
+    from cramming.config import CONF_DIR, register_configs
+
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "srun").write_text("#!/bin/sh\n")
+    (tmp_path / "bin" / "srun").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:{os.environ['PATH']}")
+    scripts = []
+
+    def caught(executor, fn, *iterables):
+        scripts.append(executor._executor._make_submission_file_text("python -m submitit.core._submit", "u"))
+        return []
+
+    monkeypatch.setattr(submitit.AutoExecutor, "map_array", caught)
+    register_configs()
+    overrides = ["hydra/launcher=slurm", "hydra.launcher.partition=gpu", "budget=6", f"base_dir={tmp_path}"]
+    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
+        cfg = compose("pretrain", overrides=overrides, return_hydra_config=True)
+    launcher = instantiate(cfg.hydra.launcher)
+    launcher.setup(hydra_context=None, task_function=None, config=cfg)
+    launcher.launch([["seed=0"], ["seed=1"]], initial_job_idx=0)
+    (script,) = scripts
+    for flag in ("--partition=gpu", "--gpus-per-node=1", "--ntasks-per-node=1", "--cpus-per-task=8",
+                 f"--time={6 * 60 + 30}", "--signal=USR2@120"):  # fmt: skip
+        assert f"#SBATCH {flag}\n" in script, script
