@@ -72,7 +72,7 @@ def test_the_pretraining_loop_skips_an_update_with_an_inf_gradient(tmp_path, mon
     monkeypatch.setattr(loop, "forward_backward", poisoned)
     cfg = make_config(tmp_path, "train.steps=5", "train.log_every=1")
     result = loop.train(cfg, synthetic_data(tmp_path / "data"), run_dir(cfg))
-    assert result.progress.skipped == 1 and result.progress.updates == 5
+    assert result.skipped == 1 and result.progress.updates == 5
     assert all(torch.isfinite(p).all() for p in loop_model_weights(result))
 
 
@@ -80,3 +80,37 @@ def loop_model_weights(result):
     from cramming.model.checkpoint import load_pretrained
 
     return load_pretrained(result.checkpoint).model.parameters()
+
+
+def test_without_clipping_the_gradients_reach_the_optimizer_untouched():
+    """grad_clip=None measures the norm (for the non-finite check) but writes no gradient: bit-identical
+    gradients reach optimizer.step, and the norm is the one clip_grad_norm_ reports."""
+    model, step = model_and_step(grad_clip=None)
+    loss = backward(model, step, poison=False)
+    grads = [p.grad.clone() for p in model.parameters()]
+    expected_norm = torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))
+    seen = {}
+
+    def spy(*args, **kwargs):
+        seen["grads"] = [p.grad.clone() for p in model.parameters()]
+
+    step.optimizer.step = spy
+    assert step.apply(loss) is True
+    assert all(torch.equal(a, b) for a, b in zip(seen["grads"], grads, strict=True))
+    # the norm it checks: the 2-norm of all gradients (fp32 sums of 49 squares in another order: a few ulps)
+    again, again_step = model_and_step(grad_clip=None)
+    backward(again, again_step, poison=False)
+    torch.testing.assert_close(again_step._unscale_and_clip(), expected_norm, rtol=1e-5, atol=0)
+
+
+def test_skip_counters_live_in_the_step_and_survive_its_state():
+    model, step = model_and_step()
+    step.apply(backward(model, step, poison=True))
+    step.apply(backward(model, step, poison=True))
+    state = step.state_dict()
+    _, fresh = model_and_step()
+    fresh.load_state_dict(state)
+    assert (fresh.stats.skipped, fresh.stats.skipped_in_a_row) == (2, 2)
+    legacy = {"scaler": state["scaler"], "stats": {"skipped": 3, "skipped_in_a_row": 1}}  # an older state's
+    fresh.load_state_dict(legacy)
+    assert (fresh.stats.applied, fresh.stats.skipped, fresh.stats.skipped_in_a_row) == (0, 3, 1)

@@ -66,9 +66,7 @@ class Progress:
     microbatches: int = 0
     # training rows of completed updates: the data position a resumed run starts from
     rows: int = 0
-    # updates skipped for a non-finite loss, in all and in a row
-    skipped: int = 0
-    skipped_in_a_row: int = 0
+    # (updates skipped for a non-finite loss are counted once, in TrainStep.stats, saved with the step)
 
 
 @dataclass
@@ -134,6 +132,7 @@ class TrainResult:
     checkpoint: Path | None  # the final model; None when interrupted
     validation: dict | None
     elapsed_before: float = 0.0  # of `elapsed`, the part spent before a resume (by the runs resumed from)
+    skipped: int = 0  # updates skipped for a non-finite loss or gradient, in all parts of the run
 
 
 # ---------------------------------------------------------------------------------------------------- set-up
@@ -400,20 +399,18 @@ def forward_backward(run: Run, batch: tuple[torch.Tensor, torch.Tensor], loss_sc
 
 def apply_update(run: Run, loss: torch.Tensor) -> bool:
     """Step at the scheduled learning rate, or skip the update when the loss or the gradient is not finite."""
-    progress, step = run.progress, run.step
-    applied = step.apply(loss)
-    progress.skipped, progress.skipped_in_a_row = step.stats.skipped, step.stats.skipped_in_a_row
-    if applied:
+    progress, stats = run.progress, run.step.stats
+    if run.step.apply(loss):
         progress.updates += 1
         return True
     log.warning(
         "non-finite loss or gradient at update %d: update skipped (%d in a row)",
         progress.updates + 1,
-        progress.skipped_in_a_row,
+        stats.skipped_in_a_row,
     )
-    if progress.skipped_in_a_row >= run.cfg.train.max_nonfinite_updates:
+    if stats.skipped_in_a_row >= run.cfg.train.max_nonfinite_updates:
         raise TrainingDiverged(
-            f"the loss was non-finite for {progress.skipped_in_a_row} updates in a row at update"
+            f"the loss was non-finite for {stats.skipped_in_a_row} updates in a row at update"
             f" {progress.updates}: training diverged. Lower train.optim.lr, keep train.grad_clip on, or use"
             " impl.precision=bf16/fp32; resume=true restarts from the last saved state."
         )
@@ -450,7 +447,7 @@ def log_progress(run: Run) -> None:
         "tok_per_s": w.rows * run.data.seq_length / seconds,
         "elapsed_h": run.clock.elapsed() / 3600,
         "budget_fraction": run.clock.fraction(),
-        "skipped": p.skipped,
+        "skipped": run.step.stats.skipped,
     }
     log.info(
         "update %d | loss %.4f | mlm acc %.3f | lr %.2e | batch %d | %.0f seq/s, %.0f tok/s | %s",
@@ -573,9 +570,11 @@ def restore(run: Run, state: dict) -> None:
         )
     distributed.load_full_state(run.model, run.optimizer, state["model"], state["optimizer"], run.ranks)
     run.step.load_state_dict(state["step"])
-    run.progress = Progress(**state["progress"])
-    run.step.stats.skipped = run.progress.skipped
-    run.step.stats.skipped_in_a_row = run.progress.skipped_in_a_row
+    progress = dict(state["progress"])
+    # states written before the skip counters moved into the step's own state kept them in the progress
+    legacy = {key: progress.pop(key) for key in ("skipped", "skipped_in_a_row") if key in progress}
+    run.progress = Progress(**progress)
+    run.step.load_state_dict({"stats": legacy, **state["step"]})
     set_rng_state(state["rng"])
 
 
@@ -622,7 +621,9 @@ def finish(run: Run, reason: str) -> TrainResult:
     if reason in STOP_SIGNALS:
         distributed.barrier(run.ranks)  # every rank returns once rank 0's state is on disk
         close_reporting(run, final=False)
-        return TrainResult(run.run_dir, reason, run.progress, elapsed, None, None, run.elapsed_before)
+        return TrainResult(
+            run.run_dir, reason, run.progress, elapsed, None, None, run.elapsed_before, run.step.stats.skipped
+        )
     validation = evaluate(run)  # on every rank: FSDP2's forward is collective
     info = {"updates": run.progress.updates, "elapsed_h": elapsed / 3600, "stop_reason": reason}
     if validation:
@@ -646,7 +647,16 @@ def finish(run: Run, reason: str) -> TrainResult:
         log.info("final model saved to %s", path)
     distributed.barrier(run.ranks)  # every rank returns once the checkpoint is on disk
     close_reporting(run, final=True)
-    return TrainResult(run.run_dir, reason, run.progress, elapsed, path, validation, run.elapsed_before)
+    return TrainResult(
+        run.run_dir,
+        reason,
+        run.progress,
+        elapsed,
+        path,
+        validation,
+        run.elapsed_before,
+        run.step.stats.skipped,
+    )
 
 
 @torch.no_grad()

@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 from torch import nn
@@ -103,8 +103,13 @@ class TrainStep:
         if self.layerwise:
             return None
         self.scaler.unscale_(self.optimizer)
-        clip = math.inf if self.grad_clip is None else self.grad_clip
-        return nn.utils.clip_grad_norm_(self.model.parameters(), clip)
+        if self.grad_clip is not None:
+            return nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
+        # no clipping: only the norm (for the non-finite check). clip_grad_norm_ with an infinite limit would
+        # still multiply every gradient by its clamped coefficient of 1.
+        if hasattr(nn.utils, "get_total_norm"):  # torch >= 2.6
+            return nn.utils.get_total_norm([p.grad for p in self.model.parameters() if p.grad is not None])
+        return nn.utils.clip_grad_norm_(self.model.parameters(), math.inf)
 
     def skip(self, overflow: bool = False) -> None:
         """Drop the accumulated gradients. An fp16 overflow (finite loss, inf gradient) is the loss scaler's
@@ -117,7 +122,8 @@ class TrainStep:
             self.stats.skipped_in_a_row += 1
 
     def state_dict(self) -> dict:
-        return {"scaler": self.scaler.state_dict()}
+        return {"scaler": self.scaler.state_dict(), "stats": asdict(self.stats)}
 
     def load_state_dict(self, state: dict) -> None:
         self.scaler.load_state_dict(state["scaler"])
+        self.stats = StepStats(**state.get("stats", {}))
