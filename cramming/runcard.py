@@ -24,6 +24,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator
@@ -50,6 +51,10 @@ log = logging.getLogger("cramming")
 
 RUN_CARD = "run_card.json"
 CARD_VERSION = 1
+# A running job rewrites its card's `heartbeat` this often; a `running` card whose heartbeat is older than
+# STALE_AFTER_SECONDS belongs to a process that is gone, wherever it ran (a cluster node, another machine).
+HEARTBEAT_SECONDS = 60.0
+STALE_AFTER_SECONDS = 600.0
 REPO = Path(__file__).resolve().parent.parent
 # the distributions whose versions decide what a run computes or how fast
 PACKAGES = (
@@ -92,7 +97,10 @@ class RunCard:
     data: dict = field(default_factory=dict)
     seconds: dict[str, float | None] = field(default_factory=dict)
     metrics: dict = field(default_factory=dict)
+    heartbeat: str | None = None  # the last write while running (see HEARTBEAT_SECONDS)
     _start: float = field(default_factory=time.perf_counter, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _beating: threading.Event | None = field(default=None, repr=False)
 
     @contextmanager
     def timed(self, part: str) -> Iterator[None]:
@@ -113,6 +121,7 @@ class RunCard:
             "job": self.job,
             "started": self.started,
             "finished": self.finished,
+            "heartbeat": self.heartbeat,
             # which process writes the card: a `running` card whose process is gone was killed (card_status)
             "process": {"pid": os.getpid(), "host": socket.gethostname()},
             "seed": self.config.get("seed"),
@@ -129,9 +138,32 @@ class RunCard:
     def write(self) -> None:
         if process_rank() != 0:  # one card per run, from the first process
             return
-        atomic_write_text(self.run_dir / RUN_CARD, json.dumps(self.to_dict(), indent=2, default=str) + "\n")
+        with self._lock:  # the heartbeat thread writes too
+            if self.finished is None:
+                self.heartbeat = _now()
+            atomic_write_text(
+                self.run_dir / RUN_CARD, json.dumps(self.to_dict(), indent=2, default=str) + "\n"
+            )
+
+    def start_heartbeat(self, every: float = HEARTBEAT_SECONDS) -> None:
+        """Rewrite the card every `every` seconds until end(): how a reader on another machine tells a job
+        that is still running from one that was killed outright (card_status)."""
+        if process_rank() != 0 or self._beating is not None:
+            return
+        self._beating = stop = threading.Event()
+
+        def beat() -> None:
+            while not stop.wait(every):
+                try:
+                    self.write()
+                except OSError as err:  # a full or unreachable disk: the job goes on, the card ages
+                    log.warning("run card heartbeat not written: %s", err)
+
+        threading.Thread(target=beat, name="run-card-heartbeat", daemon=True).start()
 
     def end(self, status: str, error: str | None = None) -> None:
+        if self._beating is not None:
+            self._beating.set()
         if self.status == "running":  # a status set on the way (interrupted) stands
             self.status = status
         self.error = error if error is not None else self.error
@@ -200,14 +232,21 @@ class RunCard:
         self.seconds["eval"] = report["seconds"]
 
 
-def card_status(card: dict) -> str:
+def card_status(card: dict, now: dt.datetime | None = None) -> str:
     """A card's status as a reader should show it: `killed` for a card left `running`, without a finish
-    time, by a process of this host that no longer exists (SIGKILL, out of memory, a lost machine);
-    a card from another host, or from before cards recorded their process, keeps what it says."""
+    time, whose process is gone (SIGKILL, out of memory, a lost machine or cluster node). On the host that
+    ran it, the process is looked up; on any other, a heartbeat older than STALE_AFTER_SECONDS says it. A
+    card from before cards recorded their process or heartbeat keeps what it says."""
     status = card.get("status", "unknown")
     process = card.get("process") or {}
-    if status != "running" or card.get("finished") or process.get("host") != socket.gethostname():
+    if status != "running" or card.get("finished"):
         return status
+    if process.get("host") != socket.gethostname():
+        beat = card.get("heartbeat")
+        if not beat:
+            return status
+        age = (now or dt.datetime.now(dt.timezone.utc)) - dt.datetime.fromisoformat(beat)
+        return "killed" if age.total_seconds() > STALE_AFTER_SECONDS else status
     try:
         os.kill(int(process["pid"]), 0)  # signal 0: only asks whether the process exists
     except ProcessLookupError:
@@ -231,6 +270,7 @@ def run_job(task: Callable[[DictConfig, RunCard], float | None], cfg: DictConfig
     """
     card = card_for_hydra_job(kind, cfg)
     card.write()
+    card.start_heartbeat()  # stopped by card.end(), however the job ends
     multirun = card.job.get("multirun", False)
     try:
         objective = task(cfg, card)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import datetime as dt
 import json
 import math
 from pathlib import Path
@@ -11,7 +12,7 @@ import matplotlib.image
 import pytest
 
 from cramming.report import build_report, collect_runs
-from cramming.runcard import RUN_CARD
+from cramming.runcard import RUN_CARD, RunCard, card_status
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -151,6 +152,32 @@ def test_a_running_card_whose_process_was_killed_shows_killed(tmp_path):
     assert card["status"] == "running" and card["process"]["pid"] == proc.pid
     assert [r.card["status"] for r in collect_runs(tmp_path)] == ["killed"]
     assert "killed" in build_report(tmp_path, tmp_path / "out").read_text()
-    # a card from another machine cannot be checked from here: it keeps its status
-    (run / RUN_CARD).write_text(json.dumps(card | {"process": {"pid": proc.pid, "host": "elsewhere"}}))
-    assert [r.card["status"] for r in collect_runs(tmp_path)] == ["running"]
+    # a card from another machine (a cluster node): its process cannot be looked up from here, its heartbeat
+    # can. Written 30 s ago: still running; 11 minutes ago: killed; a card from before heartbeats: as it says.
+    elsewhere = card | {"process": {"pid": proc.pid, "host": "elsewhere"}}
+    beat = dt.datetime.fromisoformat(card["heartbeat"])
+    assert card_status(elsewhere, now=beat + dt.timedelta(seconds=30)) == "running"
+    assert card_status(elsewhere, now=beat + dt.timedelta(minutes=11)) == "killed"
+    assert card_status(elsewhere | {"heartbeat": None}, now=beat + dt.timedelta(days=1)) == "running"
+    (run / RUN_CARD).write_text(json.dumps(elsewhere | {"heartbeat": "2000-01-01T00:00:00+00:00"}))
+    assert [r.card["status"] for r in collect_runs(tmp_path)] == ["killed"]
+
+
+def test_a_running_job_keeps_its_heartbeat_until_it_ends(tmp_path):
+    import time
+
+    card = RunCard(tmp_path, "pretrain", {})
+    card.write()
+    card.start_heartbeat(every=0.05)
+    card.metrics["seen"] = 1  # written by the next beat, not by the code that set it
+    deadline = time.monotonic() + 30
+    while (
+        "seen" not in json.loads((tmp_path / RUN_CARD).read_text())["metrics"] and time.monotonic() < deadline
+    ):
+        time.sleep(0.02)
+    assert json.loads((tmp_path / RUN_CARD).read_text())["metrics"] == {"seen": 1}
+    card.end("ok")
+    card.metrics["after"] = 2
+    time.sleep(0.3)  # six beats' worth: none comes after end()
+    written = json.loads((tmp_path / RUN_CARD).read_text())
+    assert written["status"] == "ok" and "after" not in written["metrics"] and written["finished"]
