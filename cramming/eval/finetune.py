@@ -1,7 +1,9 @@
 """Fine-tune a pretrained encoder on one GLUE task and evaluate it.
 
-The classifier reads the final hidden state of the first token ([CLS], after the final LayerNorm) through
-dropout and one linear layer: class logits, or one score for STS-B (regression, mean-squared error).
+The classifier is `cramming.eval.head.SequenceClassifier` as `eval.head` configures it: by default cramming's
+GLUE head (the final hidden state of [CLS], a 1024-wide dense layer with Tanh, dropout, a linear layer);
+`eval.head.dim=0` is the bare linear layer on the pooled vector. It gives class logits, or one score for
+STS-B (regression, mean-squared error).
 Batches are padded only to their longest input. Each (task, seed) starts from a fresh copy of the
 pretrained encoder (a `Backbone`: from a checkpoint, a `transformers` folder, or a model in memory).
 Updates go through the one training step (cramming.train.step) at a rate from the one schedule registry.
