@@ -200,7 +200,7 @@ def send_signal_after(monkeypatch, microbatches: int, signum: int) -> None:
     monkeypatch.setattr(loop, "forward_backward", signalling)
 
 
-@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM, signal.SIGUSR2])  # USR2: SLURM's warning
 def test_stop_signal_saves_a_resumable_state(tmp_path, monkeypatch, signum):
     send_signal_after(monkeypatch, 4, signum)
     previous = signal.getsignal(signum)
@@ -211,6 +211,21 @@ def test_stop_signal_saves_a_resumable_state(tmp_path, monkeypatch, signum):
     assert result.progress.microbatches == 4 and result.progress.updates == 4
     assert (run_dir(cfg) / "state.pt").is_file()
     assert signal.getsignal(signum) is previous  # handlers restored
+
+
+def test_a_run_started_again_in_its_own_folder_continues_without_resume(tmp_path, monkeypatch):
+    """What a sweep job requeued after a time limit does: the state in its own folder is its own, so it
+    continues from it (resume=false); a run in a new folder starts afresh."""
+    send_signal_after(monkeypatch, 4, signal.SIGUSR2)
+    cfg = make_config(tmp_path, "budget=1", "train.steps=6")
+    data = synthetic_data(tmp_path)
+    first = loop.train(cfg, data, run_dir(cfg))
+    assert first.stop_reason == "SIGUSR2" and first.progress.updates == 4 and not cfg.resume
+    again = loop.train(cfg, data, run_dir(cfg))
+    assert again.stop_reason == "steps" and again.progress.updates == 6
+    assert 0 < again.elapsed_before <= first.elapsed  # the budget counts on from the saved state
+    fresh = loop.train(cfg, data, run_dir(cfg, "2026-01-01_00-10-00"))
+    assert fresh.elapsed_before == 0.0 and fresh.progress.updates == 6
 
 
 def test_config_checks_across_groups(tmp_path):
