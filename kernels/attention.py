@@ -460,7 +460,12 @@ class AttentionBlocks:
 
 
 def attention_tiles(
-    seq: int, head_dim: int, dtype: torch.dtype, cc: tuple[int, int] | None, dropout: bool
+    seq: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    cc: tuple[int, int] | None,
+    dropout: bool,
+    alibi: bool = False,
 ) -> AttentionBlocks:
     """The tiles the launcher uses for one call; `scripts/aot_check.py` compiles exactly these.
 
@@ -473,7 +478,10 @@ def attention_tiles(
     if dtype == torch.float32 and cc is not None:
         # fp32 is for tests: IEEE dots on fp32 operands take twice the registers and shared memory of bf16
         small, warps = min(32, cap), 8 if head_dim > 64 else 4
-        return AttentionBlocks(small, small, warps, 16, small, 4, 16, small, warps, stages=2)
+        # with ALiBi at head_dim 128, ptxas spills the 32-row forward tile (255 registers, ~300 B of spill
+        # stores on sm_86/89/90, triton 3.9); 16 query rows take 66
+        fwd_m = min(16, cap) if alibi and head_dim > 64 else small
+        return AttentionBlocks(fwd_m, small, warps, 16, small, 4, 16, small, warps, stages=2)
     big = head_dim > 64
     # Measured with scripts/aot_check.py (results/kernels-aot.md), the widest tiles that do not spill:
     # Ampere/Ada (operands of mma in registers, not shared memory as Hopper's wgmma) needs 8 warps for a
@@ -612,7 +620,7 @@ class _FlashAttention(torch.autograd.Function):
         seed = draw_dropout_seed() if dropout_p > 0.0 else torch.zeros(1, dtype=torch.int64)
         if blocks is None:
             cc = torch.cuda.get_device_capability(q.device) if q.is_cuda else None
-            blocks = attention_tiles(q.shape[2], q.shape[3], q.dtype, cc, dropout_p > 0.0)
+            blocks = attention_tiles(q.shape[2], q.shape[3], q.dtype, cc, dropout_p > 0.0, slopes is not None)
         blocks = list(astuple(blocks))
         out, lse = _attention_forward(q, k, v, kpm, slopes, dropout_p, seed, sm_scale, blocks)
         ctx.save_for_backward(q, k, v, out, lse, kpm, slopes, seed)

@@ -153,7 +153,7 @@ def _attention_case(
     """The kernels one attention call launches (forward and backward) with the launcher's tiles."""
     from cramming.kernels import attention as A
 
-    tiles = A.attention_tiles(seq, head_dim, _torch_dtype(dtype), divmod(cc, 10), dropout)
+    tiles = A.attention_tiles(seq, head_dim, _torch_dtype(dtype), divmod(cc, 10), dropout, alibi)
     shape = f"seq {seq}, d {head_dim}, {heads} heads" + (", padding mask" if has_kpm else "")
     shape += (", dropout" if dropout else "") + (", ALiBi" if alibi else "")
     flags = dict(
