@@ -15,14 +15,15 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from cramming.cluster import hand_back_to_launcher
-from cramming.config import register_configs, validate
-from cramming.data import prepare_pretraining_data
+from cramming.config import PretrainConfig, register_configs, validate
+from cramming.data import PretrainingData, prepare_pretraining_data
 from cramming.errors import ConfigError, DataSourceError
 from cramming.eval.anytime import AnytimeEval
 from cramming.model import KernelUnavailableError
 from cramming.runcard import JobFailed, RunCard, run_entry_point, run_job
 from cramming.train import distributed
-from cramming.train.loop import TrainingDiverged, train
+from cramming.train.loop import TrainingDiverged, TrainResult, train
+from cramming.train.summary import summary
 
 log = logging.getLogger("cramming")
 register_configs()
@@ -66,11 +67,28 @@ def pretrain(cfg: DictConfig, card: RunCard) -> float | None:
     except TrainingDiverged as err:
         raise JobFailed(err, exit_code=3) from err
     card.record_pretraining(result)
+    if result.checkpoint is not None and ranks.is_main:
+        log.info("\n%s", summarize(config, result, data))
     if result.checkpoint is None:  # stopped by a signal, after saving a resumable state
         hand_back_to_launcher(result.stop_reason)  # a cluster job: requeued, continues from its folder
         log.info("interrupted; continue with: python pretrain.py name=%s resume=true ...", config.name)
         sys.exit(128 + signal.Signals[result.stop_reason])
     return (result.validation or {}).get("loss")
+
+
+def summarize(config: PretrainConfig, result: TrainResult, data: PretrainingData) -> str:
+    """What was learned, where the model is and what to run next: the last lines a newcomer reads."""
+    return summary(
+        arch=config.arch.name,
+        updates=result.progress.updates,
+        tokens=result.progress.rows * data.seq_length,
+        minutes=result.elapsed / 60,
+        validation=result.validation,
+        vocab_size=data.vocab_size,
+        checkpoint=result.checkpoint,
+        name=config.name,
+        base_dir=str(config.base_dir),
+    )
 
 
 if __name__ == "__main__":
