@@ -28,9 +28,11 @@ import json
 import logging
 import os
 import statistics
+import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from omegaconf import OmegaConf
 
@@ -55,7 +57,8 @@ class RunRecord:
     name: str  # the folder relative to the report's folder
     card: dict
     metrics: list[dict] = field(default_factory=list)
-    label: str = ""
+    label: str = ""  # the overrides that differ between runs of its kind (tables)
+    key: str = ""  # a short name for legends: the run's name, made unique
 
     @property
     def kind(self) -> str:
@@ -106,7 +109,8 @@ def _read_card(path: Path) -> dict:
 
 
 def label_runs(runs: list[RunRecord]) -> None:
-    """Label each run by the overrides that not all runs of its kind share (`budget=0.1 train/optim=adamw`)."""
+    """Label each run by the overrides that not all runs of its kind share (`budget=0.1 train/optim=adamw`),
+    and give it a short key for legends."""
     for kind in {run.kind for run in runs}:
         same_kind = [run for run in runs if run.kind == kind]
         shared = set.intersection(*(set(run.card.get("job", {}).get("overrides", [])) for run in same_kind))
@@ -115,6 +119,24 @@ def label_runs(runs: list[RunRecord]) -> None:
             run.label = " ".join(own) or run.name
             if run.card.get("status") not in ("ok", "unknown"):
                 run.label += f" [{run.card.get('status')}]"
+    key_runs(runs)
+
+
+def key_runs(runs: list[RunRecord]) -> None:
+    """Short legend keys: the run's `name` setting (with its job number in a multirun); runs that would share
+    a key get their folder's name added. A label short enough to read in a legend is the key itself."""
+    for run in runs:
+        job = run.card.get("job", {})
+        base = run.card.get("config", {}).get("name") or Path(run.name).parts[0]
+        run.key = f"{base} #{job['num']}" if job.get("multirun") and job.get("num") is not None else base
+    counts: dict[str, int] = {}
+    for run in runs:
+        counts[run.key] = counts.get(run.key, 0) + 1
+    for run in runs:
+        if counts[run.key] > 1:
+            run.key = f"{run.key} {Path(run.name).name}"
+        if len(run.label) <= LEGEND_CHARS and len(runs) > 1:
+            run.key = run.label
 
 
 # ----------------------------------------------------------------------------------------------- tables
@@ -229,8 +251,19 @@ def _time_axis(runs: list[RunRecord]) -> tuple[float, str]:
 
 def _figure(size: tuple[float, float]) -> Figure:
     """A figure of matplotlib's object API: drawn straight to files, no pyplot state and no display
-    backend to choose (nothing happens at import)."""
-    return Figure(figsize=size)
+    backend to choose (nothing happens at import). Constrained layout keeps every label inside the figure and
+    makes room for a legend placed outside the axes."""
+    fig = Figure(figsize=size, layout="constrained")
+    FigureCanvasAgg(fig)  # drawn with Agg, whose renderer layout_problems measures with
+    return fig
+
+
+# legend entries are wrapped at this many characters; labels up to this long are shown whole
+LEGEND_CHARS = 28
+
+
+def _legend_text(run: RunRecord) -> str:
+    return textwrap.fill(run.key, LEGEND_CHARS, max_lines=2, placeholder=" ...")
 
 
 def _plot_over_time(runs: list[RunRecord], key: str, ylabel: str, title: str):
@@ -240,35 +273,35 @@ def _plot_over_time(runs: list[RunRecord], key: str, ylabel: str, title: str):
     ax = fig.subplots()
     for run in runs:
         x, y = _series(run, "elapsed_h", key)
-        ax.plot([v * scale for v in x], y, label=run.label, linewidth=1.2)
+        ax.plot([v * scale for v in x], y, label=_legend_text(run), linewidth=1.2)
     ax.set(xlabel=xlabel, ylabel=ylabel, title=title)
     return fig, ax
 
 
-def plot_loss(runs: list[RunRecord], path: Path) -> None:
+def plot_loss(runs: list[RunRecord], path: Path) -> Figure:
     fig, ax = _plot_over_time(runs, "loss", "MLM loss (training, per log window)", PLOTS["loss"])
-    _finish(fig, ax, path)
+    return _finish(fig, ax, path)
 
 
-def plot_schedule(runs: list[RunRecord], path: Path) -> None:
+def plot_schedule(runs: list[RunRecord], path: Path) -> Figure:
     fig = _figure((11, 4.2))
     lr_ax, bs_ax = fig.subplots(1, 2)
     for run in runs:
-        lr_ax.plot(*_series(run, "budget_fraction", "lr"), label=run.label, linewidth=1.2)
-        bs_ax.plot(*_series(run, "budget_fraction", "batch_size"), label=run.label, linewidth=1.2)
+        lr_ax.plot(*_series(run, "budget_fraction", "lr"), label=_legend_text(run), linewidth=1.2)
+        bs_ax.plot(*_series(run, "budget_fraction", "batch_size"), linewidth=1.2)
     lr_ax.set(xlabel="budget fraction", ylabel="learning rate", title="Learning rate")
     bs_ax.set(xlabel="budget fraction", ylabel="sequences per update", title="Batch size")
-    lr_ax.grid(alpha=0.3)
-    _finish(fig, bs_ax, path)
+    bs_ax.grid(alpha=0.3)
+    return _finish(fig, lr_ax, path)
 
 
-def plot_throughput(runs: list[RunRecord], path: Path) -> None:
+def plot_throughput(runs: list[RunRecord], path: Path) -> Figure:
     fig, ax = _plot_over_time(runs, "tok_per_s", "tokens per second", PLOTS["throughput"])
     ax.set_ylim(bottom=0)
-    _finish(fig, ax, path)
+    return _finish(fig, ax, path)
 
 
-def plot_glue(runs: list[RunRecord], path: Path) -> None:
+def plot_glue(runs: list[RunRecord], path: Path) -> Figure:
     """Grouped bars: one group per task, one bar per run (labelled by what differs, e.g. the optimizer)."""
     tasks = list(dict.fromkeys(t for run in runs for t in run.card["metrics"].get("scores", {})))
     fig = _figure((max(6, 1.6 * len(tasks) * max(1, len(runs)) / 2), 4.5))
@@ -278,16 +311,16 @@ def plot_glue(runs: list[RunRecord], path: Path) -> None:
         scores = run.card["metrics"].get("scores", {})
         xs = [t + (i - (len(runs) - 1) / 2) * width for t in range(len(tasks))]
         values = [100 * scores.get(task, float("nan")) for task in tasks]
-        bars = ax.bar(xs, values, width, label=run.label)
+        bars = ax.bar(xs, values, width, label=_legend_text(run))
         ax.bar_label(bars, fmt="%.1f", fontsize=7, padding=1)
     ax.set_xticks(range(len(tasks)), tasks)
     ax.set(ylabel="score (median over seeds, %)", title=PLOTS["glue"])
-    _finish(fig, ax, path)
+    return _finish(fig, ax, path)
 
 
-def plot_anytime(runs: list[RunRecord], path: Path) -> None:
+def plot_anytime(runs: list[RunRecord], path: Path) -> Figure:
     """One panel per task: its score against the budget fraction, one line per run."""
-    records = {run.label: [r for r in run.metrics if "anytime_fraction" in r] for run in runs}
+    records = {_legend_text(run): [r for r in run.metrics if "anytime_fraction" in r] for run in runs}
     tasks = list(dict.fromkeys(task for rs in records.values() for r in rs for task in r["anytime"]))
     fig = _figure((5.5 * len(tasks), 4.5))
     axes = fig.subplots(1, len(tasks), squeeze=False)
@@ -299,14 +332,45 @@ def plot_anytime(runs: list[RunRecord], path: Path) -> None:
         ax.set(xlabel="budget fraction", ylabel="score (%)", title=task)
         ax.grid(alpha=0.3)
     fig.suptitle(PLOTS["anytime"])
-    _finish(fig, axes[0][-1], path)
+    return _finish(fig, axes[0][-1], path)
 
 
-def _finish(fig, ax, path: Path) -> None:
+def _finish(fig: Figure, ax, path: Path) -> Figure:
+    """Grid, one legend for the figure outside the axes on the right (never over the data, never off the
+    figure: constrained layout makes room for it), and the PNG."""
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, loc="best")
-    fig.tight_layout()
+    handles, labels = ax.get_legend_handles_labels()
+    if handles:
+        fig.legend(handles, labels, loc="outside right upper", fontsize=7, title="run", title_fontsize=7)
     fig.savefig(path, dpi=120)
+    return fig
+
+
+def layout_problems(fig: Figure) -> list[str]:
+    """Where a drawn figure's legend or texts leave the figure or cover an axes' plotting area."""
+    if not isinstance(fig.canvas, FigureCanvasAgg):
+        FigureCanvasAgg(fig)
+    fig.draw_without_rendering()
+    renderer = fig.canvas.get_renderer()
+    box = fig.bbox
+    problems = []
+    areas = [ax.get_window_extent(renderer) for ax in fig.axes]
+    for legend in fig.legends + [ax.get_legend() for ax in fig.axes if ax.get_legend()]:
+        extent = legend.get_window_extent(renderer)
+        if not (
+            extent.x0 >= box.x0 - 1
+            and extent.y0 >= box.y0 - 1
+            and extent.x1 <= box.x1 + 1
+            and extent.y1 <= box.y1 + 1
+        ):
+            problems.append(f"legend {extent.bounds} leaves the figure {box.bounds}")
+        problems += [f"legend {extent.bounds} covers axes {a.bounds}" for a in areas if extent.overlaps(a)]
+    for ax in fig.axes:
+        for text in (ax.title, ax.xaxis.label, ax.yaxis.label):
+            extent = text.get_window_extent(renderer)
+            if text.get_text() and (extent.x0 < box.x0 - 1 or extent.x1 > box.x1 + 1):
+                problems.append(f"{text.get_text()!r} leaves the figure")
+    return problems
 
 
 # ----------------------------------------------------------------------------------------------- report
@@ -415,6 +479,10 @@ def build_report(folders: str | Path | list[str | Path], out: str | Path | None 
         lines.append("Scores are medians over fine-tuning seeds, in [0, 1].")
     lines += search_sections(folders, runs)
     lines += ["", "## Plots", ""]
+    keyed = [r for r in runs if r.key != r.label]
+    if drawn and keyed:
+        lines += ["The plots name runs by a short key; what each run changed:", ""]
+        lines += [markdown_table([{"key": r.key, "run": r.name, "overrides": r.label} for r in keyed]), ""]
     for name in drawn:
         lines += [f"### {PLOTS[name]}", "", f"![{PLOTS[name]}]({name}.png)", ""]
     if skipped:

@@ -181,3 +181,52 @@ def test_a_running_job_keeps_its_heartbeat_until_it_ends(tmp_path):
     time.sleep(0.3)  # six beats' worth: none comes after end()
     written = json.loads((tmp_path / RUN_CARD).read_text())
     assert written["status"] == "ok" and "after" not in written["metrics"] and written["finished"]
+
+
+def _hand_started_runs(root: Path, count: int) -> None:
+    """Runs started by hand, differing in many keys: long override labels, as in a folder of mixed runs."""
+    for i in range(count):
+        folder = root / f"run{i}" / f"2026-01-01_00-00-{i:02d}"
+        _pretrain_run(folder, i, "adamw" if i % 2 else "adamw_8bit", 0.05 * (1 + i % 3))
+        card = json.loads((folder / RUN_CARD).read_text())
+        card["job"] = {"multirun": False, "overrides": [
+            f"name=run{i}", "data=local", "data.sources.local.files=../shared/data/wikipedia-en-2015/*.gz",
+            f"train.optim.lr={1e-3 * (i + 1):g}", f"train.batch_size={16 * (1 + i % 4)}", "arch=bert-tiny",
+            f"arch.attention_bias={'alibi' if i % 3 else 'none'}", "impl.cpu_threads=1", f"seed={i}"]}  # fmt: skip
+        card["config"]["name"] = f"run{i}"
+        (folder / RUN_CARD).write_text(json.dumps(card))
+
+
+@pytest.mark.parametrize("count", [2, 4, 13])
+def test_legends_stay_inside_the_figure_and_off_the_data(tmp_path, count):
+    from cramming.report import (
+        collect_runs,
+        layout_problems,
+        plot_anytime,
+        plot_loss,
+        plot_schedule,
+        plot_throughput,
+    )
+
+    _hand_started_runs(tmp_path / "runs", count)
+    runs = collect_runs(tmp_path / "runs")
+    assert all(len(line) <= 28 for run in runs for line in run.key.split("\n"))
+    assert len({run.key for run in runs}) == count  # one key per run
+    for draw in (plot_loss, plot_schedule, plot_throughput, plot_anytime):
+        fig = draw(runs, tmp_path / f"{draw.__name__}.png")
+        assert not layout_problems(fig), (draw.__name__, layout_problems(fig))
+    report = build_report(tmp_path / "runs", tmp_path / "out").read_text()
+    assert "what each run changed" in report and "train.optim.lr=0.001" in report
+
+
+def test_the_layout_check_can_fail(tmp_path):
+    from matplotlib.figure import Figure
+
+    from cramming.report import layout_problems
+
+    fig = Figure(figsize=(4, 3))
+    ax = fig.subplots()
+    ax.plot(range(10), label="a label far too long to fit beside a small plot " * 3)
+    ax.legend(loc="center")  # over the data, and wider than the figure
+    problems = layout_problems(fig)
+    assert any("covers axes" in p for p in problems) and any("leaves the figure" in p for p in problems)
