@@ -55,7 +55,10 @@ def test_the_demo_recipe_trains_and_ends_with_a_summary(tmp_path):
     (run,) = (tmp_path / "demo").iterdir()
     assert f"checkpoint: {run / 'checkpoint'}" in output
     assert f"python eval.py checkpoint=demo base_dir={tmp_path} eval=glue-small" in output
-    assert "python scripts/export_hf.py" in output and "python pretrain.py budget=24" in output
+    assert (
+        f"python scripts/export_hf.py demo exported/demo --base-dir {tmp_path}" in output
+        and "python pretrain.py budget=24" in output
+    )
 
 
 def test_the_summary_says_in_words_whether_context_is_used():

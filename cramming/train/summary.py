@@ -45,7 +45,10 @@ def next_commands(name: str, base_dir: str, checkpoint: Path) -> list[str]:
     where = [] if base_dir == "outputs" else [f"base_dir={base_dir}"]
     glue = [f"eval.glue_dir={LOCAL_GLUE}"] if LOCAL_GLUE.is_dir() else []
     evaluate = shlex.join(["python", "eval.py", f"checkpoint={name}", *where, "eval=glue-small", *glue])
-    export = shlex.join(["python", "scripts/export_hf.py", str(checkpoint), f"exported/{name}"])
+    export = shlex.join(
+        ["python", "scripts/export_hf.py", name, f"exported/{name}"]
+        + ([] if base_dir == "outputs" else ["--base-dir", base_dir])
+    )
     return [
         "next:",
         f"  {evaluate}",
