@@ -57,7 +57,7 @@ def next_commands(name: str, base_dir: str, checkpoint: Path) -> list[str]:
         f"  {export}",
         "      a transformers folder (AutoModelForMaskedLM, trust_remote_code=True)",
         "  python pretrain.py budget=24",
-        "      the real run: cramming's recipe and data on one GPU for a day (docs/configuration.md)",
+        "      the real run: cramming's recipe and data on one GPU for a day (docs/pretraining.md)",
     ]
 
 
