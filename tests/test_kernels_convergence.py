@@ -21,6 +21,7 @@ pytestmark = pytest.mark.skipif(not TRITON_OK, reason=f"Triton cannot launch her
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 VOCAB, BATCH, SEQ, STEPS = 32, 2, 32, 50
+EARLY = 15  # steps before training has amplified rounding differences (they pass 1e-5 near step 30 here)
 # the crammed design at toy size, built without the Hydra config files (runs on a bare GPU machine too)
 TINY = ArchConfig(
     name="tiny", num_layers=2, hidden_size=64, num_heads=2, intermediate_size=256, max_seq_length=SEQ
@@ -60,8 +61,13 @@ def train(model: BertForMLM) -> list[float]:
 
 @pytest.mark.slow
 def test_triton_and_pytorch_loss_curves_match():
+    """Training amplifies rounding: two exact implementations part after ~30 steps at this learning rate, by an
+    amount that depends on the CPU's kernels. So the bound for the late steps is measured in the same run, as
+    the distance between two PyTorch attentions (eager and SDPA, equal but for rounding); the early steps, before
+    the amplification, must agree to 1e-4 (fp32 rounding of a loss near 3 is ~3e-7)."""
     torch.manual_seed(0)
     reference = BertForMLM(TINY, VOCAB, dropout=0.0, attention="eager", layernorm="torch").to(DEVICE)
+    rounding_twin = BertForMLM(TINY, VOCAB, dropout=0.0, attention="sdpa", layernorm="torch").to(DEVICE)
     kernels = BertForMLM(
         TINY,
         VOCAB,
@@ -72,18 +78,24 @@ def test_triton_and_pytorch_loss_curves_match():
         loss="triton",
     ).to(DEVICE)
     assert TINY.ffn == "glu", "the tiny model must use the gated FFN for the GLU kernel to be exercised"
+    rounding_twin.load_state_dict(copy.deepcopy(reference.state_dict()))
     kernels.load_state_dict(copy.deepcopy(reference.state_dict()))
 
-    want, got = train(reference), train(kernels)
-    print("step  pytorch  triton")
+    want, twin, got = train(reference), train(rounding_twin), train(kernels)
+    print("step  pytorch  sdpa      triton")
     for step in range(0, STEPS, 5):
-        print(f"{step:4d}  {want[step]:.6f}  {got[step]:.6f}")
+        print(f"{step:4d}  {want[step]:.6f}  {twin[step]:.6f}  {got[step]:.6f}")
     start, end = sum(want[:5]) / 5, sum(want[-5:]) / 5
     assert end < 0.6 * start, (
         f"the reference did not learn ({start:.3f} -> {end:.3f}): the test would prove nothing"
     )
+    early = max(abs(got[i] - want[i]) for i in range(EARLY))
+    assert early < 1e-4, f"the curves part within the first {EARLY} steps: max |difference| {early:.2e}"
+    # four kernels round differently from PyTorch where the twin differs in one op: up to a few times its drift
+    floor = max(abs(a - b) for a, b in zip(twin, want, strict=True))
+    allowed = max(1e-3, 5 * floor)
     worst = max(range(STEPS), key=lambda i: abs(got[i] - want[i]))
-    # fp32 both ways: the curves differ by rounding only, amplified a little by 50 steps of training
-    assert abs(got[worst] - want[worst]) < 1e-3, (
-        f"loss curves part at step {worst}: triton {got[worst]:.6f}, pytorch {want[worst]:.6f}"
+    assert abs(got[worst] - want[worst]) < allowed, (
+        f"loss curves part at step {worst}: triton {got[worst]:.6f}, pytorch {want[worst]:.6f}; two PyTorch"
+        f" attentions part by {floor:.2e} at most, so the bound is {allowed:.2e}"
     )
