@@ -53,7 +53,7 @@ def test_the_demo_recipe_trains_and_ends_with_a_summary(tmp_path):
     assert "done: bert-tiny pretrained for 4 updates" in output
     assert "learned: masked-word loss" in output and "with each row's words shuffled" in output
     (run,) = (tmp_path / "demo").iterdir()
-    assert f"checkpoint: {run / 'checkpoint'}" in output
+    assert f"checkpoint: {run / 'checkpoint'}" in output  # outside the working directory: as it is
     assert f"python eval.py checkpoint=demo base_dir={tmp_path} eval=glue-small" in output
     assert (
         f"python scripts/export_hf.py demo exported/demo --base-dir {tmp_path}" in output
@@ -70,3 +70,11 @@ def test_the_summary_says_in_words_whether_context_is_used():
     plateau = "\n".join(learned(base | {"context_loss_shuffled": 5.23, "context_gain": 0.03}, 8192))
     assert "does not use context yet (gain 0.03)" in plateau
     assert learned(None, 8192) == ["learned: not measured (no validation rows in this data)"]
+
+
+def test_the_checkpoint_is_shown_as_typed_from_the_working_directory(tmp_path, monkeypatch):
+    from cramming.train.summary import shown
+
+    monkeypatch.chdir(tmp_path)
+    assert shown(tmp_path / "outputs" / "demo" / "checkpoint") == "outputs/demo/checkpoint"
+    assert shown(Path("/elsewhere/checkpoint")) == "/elsewhere/checkpoint"

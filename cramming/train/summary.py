@@ -61,6 +61,14 @@ def next_commands(name: str, base_dir: str, checkpoint: Path) -> list[str]:
     ]
 
 
+def shown(path: Path) -> str:
+    """A path as a user types it: relative to the current directory when it lies below it."""
+    try:
+        return str(path.resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)
+
+
 def summary(
     *,
     arch: str,
@@ -79,7 +87,7 @@ def summary(
         [
             head,
             *learned(validation, vocab_size),
-            f"checkpoint: {checkpoint}",
+            f"checkpoint: {shown(checkpoint)}",
             *next_commands(name, base_dir, checkpoint),
         ]
     )
