@@ -7,8 +7,8 @@ import math
 import shlex
 from pathlib import Path
 
-# the context-use verdict of cramming.train.context.describe: below this gain the model is on the plateau
-USES_CONTEXT_GAIN = 0.1
+from cramming.train.context import USES_CONTEXT_GAIN
+
 # where this repository's own data lives beside a checkout (the shared GLUE copy of the CPU study)
 LOCAL_GLUE = Path("../shared/data/glue")
 
