@@ -101,6 +101,7 @@ class RunCard:
     _start: float = field(default_factory=time.perf_counter, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _beating: threading.Event | None = field(default=None, repr=False)
+    _environment: dict | None = field(default=None, repr=False)
 
     @contextmanager
     def timed(self, part: str) -> Iterator[None]:
@@ -110,6 +111,18 @@ class RunCard:
             yield
         finally:
             self.seconds[part] = (self.seconds.get(part) or 0.0) + time.perf_counter() - start
+
+    def environment(self) -> dict:
+        """The code and machine the run started with (git, Python, packages, device), read once: the heartbeat
+        rewrites the card every minute, and a `git status` or an edit mid-run must not change what it says."""
+        if self._environment is None:
+            self._environment = {
+                "git": git_state(),
+                "python": platform.python_version(),
+                "packages": package_versions(),
+                "device": device_description(self.config.get("impl", {}).get("device", "auto")),
+            }
+        return self._environment
 
     def to_dict(self) -> dict:
         return {
@@ -126,10 +139,7 @@ class RunCard:
             "process": {"pid": os.getpid(), "host": socket.gethostname()},
             "seed": self.config.get("seed"),
             "config": self.config,
-            "git": git_state(),
-            "python": platform.python_version(),
-            "packages": package_versions(),
-            "device": device_description(self.config.get("impl", {}).get("device", "auto")),
+            **self.environment(),
             "data": self.data,
             "seconds": self.seconds,
             "metrics": self.metrics,
