@@ -72,9 +72,7 @@ def load_state(path: str | Path) -> dict:
 def find_resumable_state(base_dir: str | Path, name: str) -> Path | None:
     """state.pt (or only state.prev.pt) of the newest run folder of `name` that has one."""
     run_dir = newest_run_dir(base_dir, name, STATE) or newest_run_dir(base_dir, name, PREVIOUS)
-    if run_dir is None:
-        return None
-    return run_dir / STATE if (run_dir / STATE).exists() else run_dir / PREVIOUS
+    return None if run_dir is None else own_state(run_dir)
 
 
 def own_state(run_dir: Path) -> Path | None:
