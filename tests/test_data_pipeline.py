@@ -467,3 +467,11 @@ def test_pretrain_dryrun_on_shared_wikipedia(tmp_path, wiki_shard):
     text = data.tokenizer.decode(_all_rows(data.train)[:20].ravel().tolist())
     words = text.split()
     assert words.count("the") / len(words) > 0.02
+
+
+def test_the_identity_hashes_the_tokenizer_as_stats_and_run_cards_do(tmp_path, corpus, data_config):
+    """A resumable state's tokenizer hash is the same value as stats.json's (and the run card's)."""
+    data = prepare_pretraining_data(data_config(corpus), tmp_path / "cache")
+    identity = data.identity()
+    assert identity["tokenizer_sha256"] == data.stats["tokenizer_sha256"]
+    assert (identity["train_rows"], identity["seq_length"]) == (len(data.train), data.seq_length)

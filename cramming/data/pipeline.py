@@ -72,9 +72,11 @@ class PretrainingData:
 
     def identity(self) -> dict:
         """What a resumed run must find unchanged, by content (not by path: a moved cache is the same data):
-        the tokenizer, the row length, the number of training rows and a hash of a fixed sample of them."""
+        the tokenizer, the row length, the number of training rows and a hash of a fixed sample of them. The
+        tokenizer's hash is that of its tokenizer.json (Tokenizer.save writes the pretty form), the value
+        stats.json and the run card record."""
         return {
-            "tokenizer_sha256": hashlib.sha256(self.tokenizer.to_str().encode()).hexdigest(),
+            "tokenizer_sha256": hashlib.sha256(self.tokenizer.to_str(pretty=True).encode()).hexdigest(),
             "seq_length": self.seq_length,
             "train_rows": len(self.train),
             "rows_sha256": _rows_sample_sha256(self.train),
