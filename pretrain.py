@@ -67,12 +67,12 @@ def pretrain(cfg: DictConfig, card: RunCard) -> float | None:
     except TrainingDiverged as err:
         raise JobFailed(err, exit_code=3) from err
     card.record_pretraining(result)
-    if result.checkpoint is not None and ranks.is_main:
-        log.info("\n%s", summarize(config, result, data))
     if result.checkpoint is None:  # stopped by a signal, after saving a resumable state
         hand_back_to_launcher(result.stop_reason)  # a cluster job: requeued, continues from its folder
         log.info("interrupted; continue with: python pretrain.py name=%s resume=true ...", config.name)
         sys.exit(128 + signal.Signals[result.stop_reason])
+    if ranks.is_main:
+        log.info("\n%s", summarize(config, result, data))
     return (result.validation or {}).get("loss")
 
 

@@ -29,6 +29,7 @@ import logging
 import os
 import statistics
 import textwrap
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -129,9 +130,7 @@ def key_runs(runs: list[RunRecord]) -> None:
         job = run.card.get("job", {})
         base = run.card.get("config", {}).get("name") or Path(run.name).parts[0]
         run.key = f"{base} #{job['num']}" if job.get("multirun") and job.get("num") is not None else base
-    counts: dict[str, int] = {}
-    for run in runs:
-        counts[run.key] = counts.get(run.key, 0) + 1
+    counts = Counter(run.key for run in runs)
     for run in runs:
         if counts[run.key] > 1:
             run.key = f"{run.key} {Path(run.name).name}"
