@@ -136,19 +136,25 @@ def eager_attention(q, k, v, mask):
     return torch.softmax(scores.float(), dim=-1).to(q.dtype) @ v
 
 
-def bench_attention(seq: int, args) -> list[Row]:
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    from cramming.kernels.attention import flash_attention
-
+def attention_inputs(seq: int, args) -> tuple[torch.Tensor, ...]:
+    """q, k, v (batch, heads, seq, head_dim) with gradients, an upstream gradient, and the padding mask of a
+    fine-tuning batch: lengths spread between a quarter of the sequence and all of it."""
     shape = (args.batch, args.heads, seq, args.head_dim)
     q, k, v = (
         torch.randn(shape, device=DEVICE, dtype=args.torch_dtype, requires_grad=True) for _ in range(3)
     )
     do = torch.randn_like(q)
-    # a fine-tuning batch: lengths spread between a quarter of the sequence and all of it
     lengths = torch.randint(seq // 4 + 1, seq + 1, (args.batch,), device=DEVICE)
     mask = torch.arange(seq, device=DEVICE)[None, :] < lengths[:, None]
+    return q, k, v, do, mask
+
+
+def bench_attention(seq: int, args) -> list[Row]:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from cramming.kernels.attention import flash_attention
+
+    q, k, v, do, mask = attention_inputs(seq, args)
 
     def sdpa(backend, attn_mask=None):
         def run():
@@ -177,13 +183,7 @@ def bench_attention_alibi(seq: int, args) -> list[Row]:
     from cramming.kernels.attention import flash_attention
     from cramming.model.ops import sdpa_attention
 
-    shape = (args.batch, args.heads, seq, args.head_dim)
-    q, k, v = (
-        torch.randn(shape, device=DEVICE, dtype=args.torch_dtype, requires_grad=True) for _ in range(3)
-    )
-    do = torch.randn_like(q)
-    lengths = torch.randint(seq // 4 + 1, seq + 1, (args.batch,), device=DEVICE)
-    mask = torch.arange(seq, device=DEVICE)[None, :] < lengths[:, None]
+    q, k, v, do, mask = attention_inputs(seq, args)
     slopes = torch.tensor([4.0**-h for h in range(args.heads)], device=DEVICE)
     impls = {
         "SDPA, ALiBi float bias (reference)": lambda: sdpa_attention(q, k, v, None, 0.0, slopes),

@@ -374,31 +374,28 @@ def test_dropout_keeps_the_expected_fraction_and_mean():
 
 @needs_gpu
 @pytest.mark.gpu
+@pytest.mark.parametrize("alibi", [False, True], ids=["no-bias", "alibi"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize(
     "shape", [(4, 12, 128, 64, None), (2, 4, 512, 64, [512, 300]), (2, 4, 512, 128, [511, 1])]
 )
-def test_gpu_half_precision(shape, dtype):
+def test_gpu_half_precision(shape, dtype, alibi):
+    """bf16/fp16 at BERT shapes against the fp32 reference: attention_reference, or with ALiBi the model's
+    SDPA path given the explicit float bias."""
     q, k, v, mask = _inputs(*shape, dtype)
     do = torch.randn_like(q)
-    out, grads = _run(lambda q, k, v: flash_attention(q, k, v, mask), q, k, v, do)
-    ref_out, ref_grads = _run(lambda q, k, v: attention_reference(q, k, v, mask), q, k, v, do)
-    _compare(out, grads, ref_out, ref_grads, dtype, summation_atol(q, k, v, do, mask, shape[3] ** -0.5))
-
-
-@needs_gpu
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize(
-    "shape", [(4, 12, 128, 64, None), (2, 4, 512, 64, [512, 300]), (2, 4, 512, 128, [511, 1])]
-)
-def test_gpu_alibi_half_precision(shape, dtype):
-    q, k, v, mask = _inputs(*shape, dtype)
-    slopes = torch.tensor(_default_slopes(shape[1]), device=DEVICE)
-    do = torch.randn_like(q)
-    out, grads = _run(lambda q, k, v: flash_attention(q, k, v, mask, alibi_slopes=slopes), q, k, v, do)
-    ref_out, ref_grads = _run(lambda q, k, v: sdpa_alibi_reference(q, k, v, mask, slopes), q, k, v, do)
-    order = summation_atol(q, k, v, do, mask, shape[3] ** -0.5, alibi_bias(slopes, shape[2]))
+    if alibi:
+        slopes = torch.tensor(_default_slopes(shape[1]), device=DEVICE)
+        kernel = lambda q, k, v: flash_attention(q, k, v, mask, alibi_slopes=slopes)  # noqa: E731
+        reference = lambda q, k, v: sdpa_alibi_reference(q, k, v, mask, slopes)  # noqa: E731
+        bias = alibi_bias(slopes, shape[2])
+    else:
+        kernel = lambda q, k, v: flash_attention(q, k, v, mask)  # noqa: E731
+        reference = lambda q, k, v: attention_reference(q, k, v, mask)  # noqa: E731
+        bias = None
+    out, grads = _run(kernel, q, k, v, do)
+    ref_out, ref_grads = _run(reference, q, k, v, do)
+    order = summation_atol(q, k, v, do, mask, shape[3] ** -0.5, bias)
     _compare(out, grads, ref_out, ref_grads, dtype, order)
 
 
