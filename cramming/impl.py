@@ -7,7 +7,9 @@ An `impl` setting may change rounding (precision, kernels) but never what is com
 from __future__ import annotations
 
 import os
+import platform
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -23,7 +25,8 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 class ImplConfig:
     # auto: cuda when available, else cpu; "cuda:1" picks a GPU
     device: str = "auto"
-    # auto: bf16 on GPUs that support it, else fp16 with a loss scaler; fp32 on CPU
+    # auto: bf16 on GPUs that support it, else fp16 with a loss scaler; on CPU bf16 where the CPU computes it
+    # natively (AVX-512 BF16 or AMX, see cpu_bf16_support), else fp32. fp32 master weights, optimizer and loss
     precision: str = "auto"
     # torch.compile the model: true, false, or auto (on for CUDA, off on CPU); compile time counts against
     # the budget. Typed Any so it takes a bool or "auto" (OmegaConf has no unions); checked below
@@ -116,9 +119,52 @@ class ImplConfig:
         return device.type == "cuda" if self.compile == "auto" else bool(self.compile)
 
     def compute_dtype(self, device: torch.device) -> torch.dtype:
-        """The autocast dtype: `auto` is bf16 on GPUs that support it, else fp16 (with a loss scaler); fp32 on CPU."""
+        """The autocast dtype: `auto` is bf16 on GPUs that support it, else fp16 (with a loss scaler); on CPU
+        bf16 where the CPU has native bf16 dot products, else fp32 (emulated bf16 is slower than fp32)."""
+        return self.precision_choice(device)[0]
+
+    def precision_choice(self, device: torch.device) -> tuple[torch.dtype, str]:
+        """(autocast dtype, why): what the run logs and its run card records."""
         if self.precision != "auto":
-            return DTYPES[self.precision]
-        if device.type != "cuda":
-            return torch.float32
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+            return DTYPES[self.precision], f"impl.precision={self.precision}"
+        if device.type == "cuda":
+            if torch.cuda.is_bf16_supported():
+                return torch.bfloat16, "auto: the GPU supports bf16"
+            return torch.float16, "auto: the GPU has no bf16, fp16 with a loss scaler"
+        native, how = cpu_bf16_support()
+        if native:
+            return torch.bfloat16, f"auto: the CPU computes bf16 natively ({how})"
+        return torch.float32, f"auto: the CPU has no native bf16 ({how}), where bf16 is slower than fp32"
+
+
+def cpu_bf16_support() -> tuple[bool, str]:
+    """(whether this CPU has native bf16 dot products, which instructions), as PyTorch's CPU dispatch sees
+    them: AVX-512 BF16 or AMX tiles on x86-64, the BF16 extension on Arm. Without them PyTorch emulates bf16
+    through fp32, which makes a training step slower than plain fp32 (results/step-cpu.md)."""
+    found = []
+    cpu = getattr(torch, "cpu", None)
+    for name, probe in (("avx512_bf16", "_is_avx512_bf16_supported"), ("amx", "_is_amx_tile_supported")):
+        check = getattr(cpu, probe, None)
+        try:
+            if check is not None and check():
+                found.append(name)
+        except RuntimeError:  # a build without the probe's backend
+            pass
+    if not found and platform.machine().lower() in ("aarch64", "arm64"):
+        found += arm_bf16_flag()
+    return (True, ", ".join(found)) if found else (False, "neither avx512_bf16 nor amx" + _arm_note())
+
+
+def arm_bf16_flag() -> list[str]:
+    """["bf16"] when /proc/cpuinfo lists Arm's BF16 extension (Linux)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.lower().startswith("features") and "bf16" in line.split(":", 1)[1].split():
+                return ["bf16"]
+    except OSError:
+        pass
+    return []
+
+
+def _arm_note() -> str:
+    return ", nor Arm bf16" if platform.machine().lower() in ("aarch64", "arm64") else ""

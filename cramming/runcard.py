@@ -42,6 +42,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from cramming.errors import ConfigError
+from cramming.impl import DEVICES, DTYPES, ImplConfig, cpu_bf16_support
 from cramming.utils import atomic_write_text, process_rank
 
 if TYPE_CHECKING:
@@ -120,7 +121,10 @@ class RunCard:
                 "git": git_state(),
                 "python": platform.python_version(),
                 "packages": package_versions(),
-                "device": device_description(self.config.get("impl", {}).get("device", "auto")),
+                "device": device_description(
+                    self.config.get("impl", {}).get("device", "auto"),
+                    self.config.get("impl", {}).get("precision", "auto"),
+                ),
             }
         return self._environment
 
@@ -406,14 +410,21 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def device_description(device: str = "auto") -> dict:
-    """The CPU always (data loading and preprocessing run there), the GPU when the run uses one."""
+def device_description(device: str = "auto", precision: str = "auto") -> dict:
+    """The CPU always (data loading and preprocessing run there), whether it has native bf16, the GPU when the
+    run uses one, and the training precision impl.precision resolves to there (and why)."""
+    native, how = cpu_bf16_support()
     described = {
         "cpu": cpu_model(),
         "cpu_count": os.cpu_count(),
+        "cpu_native_bf16": how if native else None,
         "torch_threads": torch.get_num_threads(),
         "gpu": None,
     }
+    if precision in ("auto", *DTYPES):
+        impl = ImplConfig(device=device if device.split(":")[0] in DEVICES else "auto", precision=precision)
+        dtype, why = impl.precision_choice(impl.torch_device())
+        described["precision"] = {"dtype": str(dtype).removeprefix("torch."), "why": why}
     if device != "cpu" and torch.cuda.is_available():
         index = torch.device(device).index if device.startswith("cuda:") else 0
         described |= {

@@ -86,7 +86,12 @@ def recipe_of(cfg: EvalRunConfig, source: str) -> dict:
     if tuning["glue_dir"] is not None:
         tuning["glue_dir"] = str(Path(tuning["glue_dir"]).resolve())
     impl = asdict(cfg.impl)
-    recipe = {"checkpoint": source, "eval": tuning, "impl": {key: impl[key] for key in IMPL_NUMERICS}}
+    numerics = {key: impl[key] for key in IMPL_NUMERICS}
+    # what `auto` resolves to on this machine (bf16 on one CPU, fp32 on another): a resumed evaluation must
+    # not mix runs of the two
+    dtype, _ = cfg.impl.precision_choice(cfg.impl.torch_device())
+    numerics["precision"] = str(dtype).removeprefix("torch.")
+    recipe = {"checkpoint": source, "eval": tuning, "impl": numerics}
     return json.loads(json.dumps(recipe))
 
 
@@ -163,6 +168,8 @@ def run_glue(
     and after every finished (task, seed) the runs so far (RUNS_JSON), which a requeued job and resume=true
     take up. sweep_job: the job's number in a multirun (resume=true continues the same job of the last one)."""
     run_dir.mkdir(parents=True, exist_ok=True)
+    dtype, why = cfg.impl.precision_choice(cfg.impl.torch_device())
+    log.info("fine-tuning precision %s (%s)", str(dtype).removeprefix("torch."), why)
     budget = BudgetClock(cfg.budget, clock) if cfg.budget is not None else None
     start = time.perf_counter()
     source = backbone.info.get("checkpoint") or backbone.info.get("path", "")

@@ -155,7 +155,8 @@ def set_up(
     # reading the state is part of this run's set-up, on the budget; the downtime before it is not
     spent = (state["elapsed"] if state else 0.0) + clock() - loading
     budget = distributed.budget_clock(ranks, cfg.budget, clock, spent)
-    dtype = cfg.impl.compute_dtype(ranks.device)
+    dtype, why = cfg.impl.precision_choice(ranks.device)
+    log.info("precision %s (%s)", str(dtype).removeprefix("torch."), why)
     configure_torch(cfg, ranks.device)
     model = build_model(
         cfg.arch,
