@@ -36,6 +36,7 @@ def make_config(base_dir: Path, *overrides: str) -> PretrainConfig:
         f"base_dir={base_dir}",
         "name=test",
         "impl.device=cpu",
+        "impl.precision=fp32",  # the same numbers on every CPU (auto is bf16 on CPUs with native bf16)
         "impl.microbatch_size=8",
         "impl.num_workers=0",
         "train.batch_size=8",
@@ -236,7 +237,7 @@ def test_config_checks_across_groups(tmp_path):
     with pytest.raises(ConfigError, match="train.steps"):
         make_config(tmp_path, "train.lr_schedule=steps-linear")  # a step schedule needs a step count
     cfg = make_config(tmp_path)
-    assert cfg.impl.compute_dtype(torch.device("cpu")) == torch.float32  # precision=auto: fp32 on CPU
+    assert cfg.impl.compute_dtype(torch.device("cpu")) == torch.float32
 
 
 def test_row_stream_order_and_resume(tmp_path):
