@@ -2,6 +2,9 @@
 
     python scripts/bench_pretrain.py --data outputs/data/local-<hash>           # CPU, a small crammed shape
     python scripts/bench_pretrain.py --arch crammed-bert --microbatch 128 --compile  # CUDA, bf16
+    python scripts/bench_pretrain.py --data outputs/data/local-<hash> --arch bert-tiny \
+        --set attention_bias=alibi --microbatch 64 --threads 1 --workers 0 \
+        --precision fp32,bf16 --baseline                 # the CPU study's step, in both precisions
 
 One step is what the training loop does for an update of one micro-batch: take the next micro-batch from
 the real data path (RowStream/DataLoader of cramming.train.batches, then the MLM masking and the copy to
@@ -15,6 +18,13 @@ Hugging Face's model gets the closest shape: same depth, width, heads, vocabular
 FFN of 3/4 our GLU width (equal FFN FLOPs and parameters); its usual post-LN, biases, token types, learned
 positions, head transform and dense prediction; SDPA attention and dropout off like ours. Both models run
 the same optimizer settings on the same batches.
+
+`--precision fp32,bf16` measures both models in each precision (bf16: autocast, fp32 master weights, as the
+training loop runs it), and the header names the CPU's native bf16 support (cramming.impl.cpu_bf16_support)
+and what impl.precision=auto picks there. `--baseline` adds our step as it was before the CPU speed work
+(fp32, the ALiBi bias as the 3-D mask that sent SDPA to its unfused math path, the loss on an fp32 copy of
+the logits): the reference that speed-ups are reported against, measured in the same rounds. `--ablate`
+adds, in each precision, our step with one of the two earlier paths put back, to measure each change alone.
 
 The machine may be shared: the models and the peak matmul are measured in interleaved rounds, and the
 ratio ours / HF is taken per round (the median over rounds is reported), so load that comes and goes hits
@@ -47,8 +57,10 @@ REPO = Path(__file__).resolve().parent.parent
 if importlib.util.find_spec("cramming") is None:  # a plain checkout (the GPU machine installs nothing)
     sys.path.append(str(REPO))
 
+from cramming.impl import ImplConfig, cpu_bf16_support  # noqa: E402
 from cramming.model import ArchConfig, build_model, count_parameters  # noqa: E402
 from cramming.model.flops import forward_flops_per_token, train_flops_per_token  # noqa: E402
+from cramming.model.ops import ATTENTION, alibi_bias  # noqa: E402
 from cramming.optim import OptimConfig, build_optimizer  # noqa: E402
 from cramming.train.batches import microbatches  # noqa: E402
 from cramming.train.config import MLMConfig  # noqa: E402
@@ -123,6 +135,8 @@ def load_rows(args: argparse.Namespace) -> tuple[object, int, str]:
 @dataclass
 class Candidate:
     name: str
+    kind: str  # ours | hf | baseline (both earlier paths, fp32) | old-attention | old-loss (one earlier path)
+    precision: str  # fp32 | bf16 | fp16
     params: int
     flops_per_token: float  # training step
     step: Callable[[torch.Tensor, torch.Tensor], None]  # (corrupted ids, labels) on the device
@@ -148,12 +162,15 @@ def make_step(model, optimizer, device: torch.device, dtype: torch.dtype, forwar
 
 
 def build_ours(
-    arch: ArchConfig, vocab: int, args: argparse.Namespace, device: torch.device, dtype
+    arch: ArchConfig, vocab: int, args: argparse.Namespace, device: torch.device, dtype, kind="ours"
 ) -> Candidate:
     model = build_model(
         arch, vocab, device=device, attention=args.attention, layernorm=args.layernorm,
         ffn_activation=args.ffn_activation, loss=args.loss, dropout=0.0,
     )  # fmt: skip
+    use_earlier_paths(
+        model, attention=kind in ("baseline", "old-attention"), loss=kind in ("baseline", "old-loss")
+    )
     optimizer = build_optimizer(model, OptimConfig())
     runner = torch.compile(model) if args.compile else model
     k = MLMMasker(MLMConfig(), 10, SPECIAL, MASK_ID).predicted_per_row(args.seq)  # static sparse prediction
@@ -161,7 +178,37 @@ def build_ours(
         model, optimizer, device, dtype, lambda ids, labels: runner(ids, labels, predicted_per_row=k).loss
     )
     flops = train_flops_per_token(arch, vocab, args.seq, predicted_fraction=masked_fraction(args.seq))
-    return Candidate(f"ours ({arch.name})", count_parameters(model), flops, step, optimizer)
+    precision = PRECISION_NAMES[dtype]
+    name = {
+        "ours": f"ours ({arch.name})",
+        "baseline": f"ours before the CPU speed work ({arch.name})",
+        "old-attention": f"ours, ALiBi as a 3-D mask as before ({arch.name})",
+        "old-loss": f"ours, the loss on an fp32 copy as before ({arch.name})",
+    }[kind]
+    return Candidate(name, kind, precision, count_parameters(model), flops, step, optimizer)
+
+
+def baseline_sdpa(q, k, v, key_padding_mask=None, dropout_p: float = 0.0, alibi_slopes=None):
+    """cramming.model.ops.sdpa_attention as it was: the ALiBi bias as a 3-D (heads, seq, seq) mask."""
+    mask = None if key_padding_mask is None else key_padding_mask[:, None, None, :]
+    if alibi_slopes is not None:
+        bias = alibi_bias(alibi_slopes, q.shape[-2]).to(q.dtype)
+        mask = bias if mask is None else bias.masked_fill(~mask, torch.finfo(q.dtype).min)
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
+
+
+def baseline_cross_entropy(logits, labels, ignore_index: int = -100):
+    """The loss as it was: F.cross_entropy on an fp32 copy of the logits, also on CPU."""
+    return torch.nn.functional.cross_entropy(logits.float(), labels, ignore_index=ignore_index)
+
+
+def use_earlier_paths(model: torch.nn.Module, attention: bool, loss: bool) -> None:
+    """Our model with code paths from before the CPU speed work put back (the same function, same weights)."""
+    for module in model.modules():
+        if attention and getattr(module, "fn", None) is ATTENTION["sdpa"]:
+            module.fn = baseline_sdpa
+    if loss:
+        model.loss_fn = baseline_cross_entropy
 
 
 def build_hf(
@@ -190,7 +237,28 @@ def build_hf(
         model, optimizer, device, dtype, lambda ids, labels: runner(input_ids=ids, labels=labels).loss
     )
     flops = train_flops_per_token(shape, vocab, args.seq, predicted_fraction=1.0)
-    return Candidate("HF BertForMaskedLM", count_parameters(model), flops, step, optimizer)
+    precision = PRECISION_NAMES[dtype]
+    return Candidate("HF BertForMaskedLM", "hf", precision, count_parameters(model), flops, step, optimizer)
+
+
+PRECISION_NAMES = {dtype: name for name, dtype in DTYPES.items()}
+BUILDERS = {
+    "ours": build_ours,
+    "hf": build_hf,
+    "baseline": lambda *a: build_ours(*a, kind="baseline"),
+    "old-attention": lambda *a: build_ours(*a, kind="old-attention"),
+    "old-loss": lambda *a: build_ours(*a, kind="old-loss"),
+}
+
+
+def precisions(args: argparse.Namespace) -> list[str]:
+    chosen = [p.strip() for p in args.precision.split(",") if p.strip()]
+    unknown = [p for p in chosen if p not in DTYPES]
+    if not chosen or unknown:
+        raise SystemExit(
+            f"--precision {args.precision}: use one or more of {', '.join(DTYPES)}, comma-separated"
+        )
+    return chosen
 
 
 def masked_fraction(seq: int) -> float:
@@ -245,12 +313,13 @@ def memory_status(field: str) -> int:
 
 def probe_memory(args: argparse.Namespace) -> None:
     """Child process (CPU): build one model, run two steps, print its peak resident memory above the start."""
-    device, dtype = torch.device("cpu"), DTYPES[args.precision]
+    kind, _, precision = args.probe.partition(":")
+    device, dtype = torch.device("cpu"), DTYPES[precision]
     rows, vocab, _ = load_rows(args)
     arch = load_arch(args.arch, args.set)
     base = memory_status("VmRSS")
     Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current resident size
-    candidate = (build_ours if args.probe == "ours" else build_hf)(arch, vocab, args, device, dtype)
+    candidate = BUILDERS[kind](arch, vocab, args, device, dtype)
     masker = MLMMasker(MLMConfig(), vocab, SPECIAL, MASK_ID)
     batches = iter(microbatches(rows, args.microbatch, 0, 0, num_workers=0, pin_memory=False))
     run_steps(candidate, batches, masker, device, 2)
@@ -258,6 +327,7 @@ def probe_memory(args: argparse.Namespace) -> None:
 
 
 def cpu_peak_memory(which: str) -> float | None:
+    """which: kind:precision of one candidate."""
     command = [sys.executable, *sys.argv, "--probe", which]
     done = subprocess.run(command, capture_output=True, text=True, cwd=REPO)
     if done.returncode != 0:
@@ -280,12 +350,18 @@ def own_bytes(optimizer: torch.optim.Optimizer) -> int:
 
 def measure(args: argparse.Namespace) -> dict:
     device = torch.device(args.device)
-    dtype = DTYPES[args.precision]
     rows, vocab, rows_note = load_rows(args)
     arch = load_arch(args.arch, args.set)
-    candidates = [build_ours(arch, vocab, args, device, dtype)]
-    if not args.no_hf:
-        candidates.append(build_hf(arch, vocab, args, device, dtype))
+    candidates = [BUILDERS["baseline"](arch, vocab, args, device, torch.float32)] if args.baseline else []
+    for precision in precisions(args):
+        dtype = DTYPES[precision]
+        candidates.append(build_ours(arch, vocab, args, device, dtype))
+        if args.ablate:
+            candidates += [
+                BUILDERS[k](arch, vocab, args, device, dtype) for k in ("old-attention", "old-loss")
+            ]
+        if not args.no_hf:
+            candidates.append(build_hf(arch, vocab, args, device, dtype))
     masker = MLMMasker(MLMConfig(), vocab, SPECIAL, MASK_ID)
     batches = iter(
         microbatches(rows, args.microbatch, 0, 0, num_workers=args.workers, pin_memory=device.type == "cuda")
@@ -293,9 +369,10 @@ def measure(args: argparse.Namespace) -> dict:
     for c in candidates:  # warm-up: lazy optimizer state, compilation, loader workers
         run_steps(c, batches, masker, device, args.warmup)
         c.own_bytes = own_bytes(c.optimizer)
-    peaks = []
+    peaks = {p: [] for p in {c.precision for c in candidates}}
     for _ in range(args.rounds):
-        peaks.append(peak_matmul(device, dtype, args.matmul))
+        for precision, measured in peaks.items():
+            measured.append(peak_matmul(device, DTYPES[precision], args.matmul))
         for c in candidates:
             if device.type == "cuda":
                 before = torch.cuda.memory_allocated(device)
@@ -311,36 +388,53 @@ def measure(args: argparse.Namespace) -> dict:
                     c.peak_bytes or 0, torch.cuda.max_memory_allocated(device) - before + resident
                 )
     if device.type == "cpu" and not args.no_memory:
-        for c, which in zip(candidates, ("ours", "hf"), strict=False):
-            c.peak_bytes = cpu_peak_memory(which)
-    profile = None
+        for c in candidates:
+            c.peak_bytes = cpu_peak_memory(f"{c.kind}:{c.precision}")
+    profile = profiled = None
     if args.profile:
         activities = [torch.profiler.ProfilerActivity.CPU]
         if device.type == "cuda":
             activities.append(torch.profiler.ProfilerActivity.CUDA)
+        profiled = [c for c in candidates if c.kind == "ours"][-1]  # the last precision asked for
         with torch.profiler.profile(activities=activities) as prof:
-            run_steps(candidates[0], batches, masker, device, args.profile)
+            run_steps(profiled, batches, masker, device, args.profile)
         sort = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
         profile = prof.key_averages().table(sort_by=sort, row_limit=15, max_name_column_width=60)
     return {
         "candidates": candidates,
-        "peak": max(peaks),
+        "peak": {precision: max(measured) for precision, measured in peaks.items()},
         "rows": rows_note,
         "arch": arch,
         "vocab": vocab,
         "profile": profile,
+        "profiled": profiled.precision if profile else None,
     }
 
 
+def per_round_ratio(faster: Candidate, slower: Candidate) -> tuple[float, list[float]]:
+    """tokens/s of `faster` over `slower`: the median of per-round ratios, and the ratios."""
+    ratios = [b / a for a, b in zip(faster.seconds, slower.seconds, strict=True)]
+    return statistics.median(ratios), ratios
+
+
+def cpu_bf16_line(device: torch.device) -> str:
+    native, how = cpu_bf16_support()
+    auto, why = ImplConfig(precision="auto").precision_choice(device)
+    support = f"native bf16 ({how})" if native else f"no native bf16 ({how})"
+    return f" CPU: {support}; impl.precision=auto picks {PRECISION_NAMES[auto]} here ({why})."
+
+
 def report(result: dict, args: argparse.Namespace) -> str:
-    candidates, peak, arch = result["candidates"], result["peak"], result["arch"]
+    candidates, peaks, arch = result["candidates"], result["peak"], result["arch"]
     tokens = args.microbatch * args.seq
+    device = torch.device(args.device)
     device_name = (
         torch.cuda.get_device_name()
         if args.device.startswith("cuda")
         else f"CPU, {torch.get_num_threads()} thread(s)"
     )
     parts = forward_flops_per_token(arch, result["vocab"], args.seq, masked_fraction(args.seq))
+    peak_text = ", ".join(f"{p} {v / 1e12:.3f} TFLOP/s" for p, v in sorted(peaks.items()))
     lines = [
         f"# Training-step throughput: {device_name}",
         "",
@@ -352,10 +446,11 @@ def report(result: dict, args: argparse.Namespace) -> str:
         f" LayerNorm {args.layernorm}, FFN activation {args.ffn_activation}, loss {args.loss},"
         f" {args.workers} loader worker(s); rows: {result['rows']}."
         f" {args.rounds} interleaved rounds of {args.steps} steps after {args.warmup} warm-up steps; medians over"
-        f" rounds. Peak: a {args.matmul}x{args.matmul} {args.precision} matmul, best round: {peak / 1e12:.3f} TFLOP/s.",
+        f" rounds. Peak: a {args.matmul}x{args.matmul} matmul in each precision, best round: {peak_text}."
+        + (cpu_bf16_line(device) if device.type == "cpu" else ""),
         "",
-        "| model | parameters | seq/s | tokens/s | model GFLOP/token | achieved TFLOP/s | MFU | peak memory | data path |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| model | precision | parameters | seq/s | tokens/s | model GFLOP/token | achieved TFLOP/s | MFU | peak memory | data path |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for c in candidates:
         seconds = statistics.median(c.seconds)
@@ -363,19 +458,43 @@ def report(result: dict, args: argparse.Namespace) -> str:
         memory = f"{c.peak_bytes / 2**20:,.0f} MiB" if c.peak_bytes else "n/a"
         data_share = statistics.median(d / s for d, s in zip(c.data_seconds, c.seconds, strict=True))
         lines.append(
-            f"| {c.name} | {c.params / 1e6:.1f}M | {args.microbatch / seconds:,.1f} | {tokens / seconds:,.0f} |"
-            f" {c.flops_per_token / 1e9:.4f} | {flops / 1e12:.4f} | {100 * flops / peak:.1f}% | {memory} |"
-            f" {100 * data_share:.2f}% |"
+            f"| {c.name} | {c.precision} | {c.params / 1e6:.1f}M | {args.microbatch / seconds:,.1f} |"
+            f" {tokens / seconds:,.0f} | {c.flops_per_token / 1e9:.4f} | {flops / 1e12:.4f} |"
+            f" {100 * flops / peaks[c.precision]:.1f}% | {memory} | {100 * data_share:.2f}% |"
         )
-    if len(candidates) == 2:
-        ours, hf = candidates
-        tok_ratio = statistics.median(h / o for o, h in zip(ours.seconds, hf.seconds, strict=True))
-        flop_ratio = tok_ratio * ours.flops_per_token / hf.flops_per_token
-        lines += [
-            "",
-            f"Ours / HF, median of per-round ratios: **tokens/s {tok_ratio:.2f}x**, **FLOP/s {flop_ratio:.2f}x**"
-            f" (per-round tokens/s ratios: {', '.join(f'{h / o:.2f}' for o, h in zip(ours.seconds, hf.seconds, strict=True))}).",
-        ]
+    lines.append("")
+    by = {(c.kind, c.precision): c for c in candidates}
+
+    def ratio_line(label: str, faster: Candidate, slower: Candidate, flops: bool = False) -> str:
+        ratio, ratios = per_round_ratio(faster, slower)
+        text = f"- {label}, median of per-round ratios: **tokens/s {ratio:.2f}x**"
+        if flops:
+            text += f", **FLOP/s {ratio * faster.flops_per_token / slower.flops_per_token:.2f}x**"
+        return text + f" (per round: {', '.join(f'{r:.2f}' for r in ratios)})."
+
+    for precision in precisions(args):
+        if ("hf", precision) in by:
+            lines.append(
+                ratio_line(f"Ours / HF in {precision}", by["ours", precision], by["hf", precision], True)
+            )
+    for kind, label in (("ours", "Ours"), ("hf", "HF")):
+        if (kind, "bf16") in by and (kind, "fp32") in by:
+            lines.append(ratio_line(f"{label} bf16 / {label} fp32", by[kind, "bf16"], by[kind, "fp32"]))
+    for precision in precisions(args):
+        for kind, change in (("old-attention", "the 4-D ALiBi mask"), ("old-loss", "the block-wise loss")):
+            if (kind, precision) in by:
+                lines.append(
+                    ratio_line(f"{change} alone, in {precision}", by["ours", precision], by[kind, precision])
+                )
+    if ("baseline", "fp32") in by:
+        for precision in precisions(args):
+            lines.append(
+                ratio_line(
+                    f"Ours in {precision} / ours before the CPU speed work (fp32)",
+                    by["ours", precision],
+                    by["baseline", "fp32"],
+                )
+            )
     lines += [
         "",
         f"Model FLOPs per token of ours, forward: attention {parts['attention'] / 1e6:.2f}M (projections and the"
@@ -386,7 +505,7 @@ def report(result: dict, args: argparse.Namespace) -> str:
     if result["profile"]:
         lines += [
             "",
-            f"## torch.profiler: {args.profile} of our steps, top operators by self time",
+            f"## torch.profiler: {args.profile} of our steps in {result['profiled']}, top operators by self time",
             "",
             "```",
         ]
@@ -400,7 +519,7 @@ def autobatch_report(args: argparse.Namespace) -> str:
 
     from cramming.train import autobatch
 
-    device, dtype = torch.device(args.device), DTYPES[args.precision]
+    device, dtype = torch.device(args.device), DTYPES[precisions(args)[0]]
     arch = load_arch(args.arch, args.set)
     model = build_model(
         arch, args.vocab, device=device, attention=args.attention, layernorm=args.layernorm, dropout=0.0
@@ -451,7 +570,17 @@ def main() -> None:
         "--data", default=None, help="a processed data folder, e.g. outputs/data/local-<hash>"
     )
     parser.add_argument("--device", default="cuda" if cuda else "cpu")
-    parser.add_argument("--precision", choices=list(DTYPES), default="bf16" if cuda else "fp32")
+    parser.add_argument(
+        "--precision",
+        default="bf16" if cuda else "fp32",
+        help="fp32, bf16 or fp16, or several comma-separated (fp32,bf16): each model in each",
+    )
+    parser.add_argument(
+        "--baseline", action="store_true", help="also our step as it was before the CPU speed work (fp32)"
+    )
+    parser.add_argument(
+        "--ablate", action="store_true", help="also ours with one earlier path put back, each precision"
+    )
     parser.add_argument("--compile", action="store_true", help="torch.compile both models")
     parser.add_argument("--attention", default="sdpa")
     parser.add_argument("--layernorm", default="torch")
@@ -475,7 +604,7 @@ def main() -> None:
         "--autobatch", action="store_true", help="run the impl.microbatch_size=auto search instead"
     )
     parser.add_argument("--search-seconds", type=float, default=60.0, help="time limit of --autobatch")
-    parser.add_argument("--probe", choices=["ours", "hf"], help=argparse.SUPPRESS)
+    parser.add_argument("--probe", help=argparse.SUPPRESS)  # kind:precision, a memory probe child
     args = parser.parse_args()
     if args.set is None:
         args.set = (
