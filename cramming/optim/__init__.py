@@ -10,7 +10,9 @@
     <name>_layerwise      the same, each parameter updated in its gradient hook (see cramming.optim.base
                           for what the training loop must then do; `optimizer.layerwise` is True)
 
-The loop logs `format_state_report(optimizer_state_report(optimizer))` at start-up.
+The loop logs `format_state_report(optimizer_state_report(optimizer))` at start-up. Outside cramming's loop
+(a plain PyTorch loop, transformers' Trainer): `create_optimizer(model, name, lr=...)` and
+`TrainerOptimizer` (cramming.optim.library; docs/optimizers.md).
 """
 
 from __future__ import annotations
@@ -36,9 +38,12 @@ __all__ = [
     "AdamW",
     "LeanOptimizer",
     "OptimConfig",
+    "TrainerOptimizer",
     "build_optimizer",
     "check_layerwise_loop",
+    "create_optimizer",
     "format_state_report",
+    "galore_parameters",
     "optimizer_state_report",
     "param_groups",
 ]
@@ -230,3 +235,7 @@ def build_optimizer(
             )
         return names[cfg.name](model, cfg)
     return OPTIMIZERS[cfg.name](model, cfg, kernel=kernel, max_grad_norm=max_grad_norm)
+
+
+# the library entry points are built on build_optimizer, hence imported after it
+from cramming.optim.library import TrainerOptimizer, create_optimizer  # noqa: E402
