@@ -82,8 +82,8 @@ def test_evaluation_and_compiled_paths_use_plain_cross_entropy():
 
 @pytest.mark.parametrize("with_padding", [False, True])
 def test_sdpa_with_alibi_takes_the_flash_kernel_on_cpu(with_padding):
-    """A 3-D bias mask sent PyTorch's CPU SDPA to its unfused math path (bmm), 1.4-1.8x slower: the bias is
-    passed as a 4-D mask. The result is the reference attention's."""
+    """A 3-D bias mask sent PyTorch's CPU SDPA to its unfused math path (bmm; bert-tiny's step 1.15x slower in
+    fp32, 1.46x in bf16): the bias is passed as a 4-D mask. The result is the reference attention's."""
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, 2, 16, 8, generator=gen) for _ in range(3))
     slopes = torch.tensor([1.0, 0.25])

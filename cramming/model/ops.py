@@ -61,8 +61,8 @@ def eager_attention(q, k, v, key_padding_mask=None, dropout_p: float = 0.0, alib
 def sdpa_attention(q, k, v, key_padding_mask=None, dropout_p: float = 0.0, alibi_slopes=None):
     """PyTorch's fused scaled_dot_product_attention (flash / memory-efficient kernels where they apply).
     With ALiBi it takes the bias as a dense float mask of shape (1, heads, seq, seq): PyTorch's CPU flash
-    kernel takes a 4-D mask, while a 3-D one sends it to the unfused math path (1.4x slower in fp32, 1.8x in
-    bf16 for bert-tiny's attention, forward and backward; scripts/bench_pretrain.py)."""
+    kernel takes a 4-D mask, while a 3-D one sends it to the unfused math path. bert-tiny's whole training
+    step is 1.15x faster for it in fp32 and 1.46x in bf16 (one thread; results/step-cpu.md)."""
     mask = None if key_padding_mask is None else key_padding_mask[:, None, None, :]
     if alibi_slopes is not None:  # one float mask: the bias, and the most negative number on padded keys
         bias = alibi_bias(alibi_slopes, q.shape[-2]).to(q.dtype)[None]
@@ -121,9 +121,10 @@ class ChunkedCrossEntropy(torch.autograd.Function):
     The plain form makes five passes over an (n, vocab) tensor, none of which fits in cache: the fp32 copy, the
     log-softmax, the zeros and the log-softmax backward of the gradient, its copy back to bf16. Here each block
     of ROWS rows is read once into cache as fp32: log-sum-exp, loss, softmax minus one-hot, written once as the
-    gradient in the logits' dtype (what autocast's cast back gives the plain form). bert-tiny's training step
-    on one thread: the loss 3x faster in bf16, 1.8x in fp32 (results/step-cpu.md). The same numbers up to
-    float rounding: a row's log-sum-exp is the same reduction, only the order of the final mean differs."""
+    gradient in the logits' dtype (what autocast's cast back gives the plain form). bert-tiny's whole training
+    step on one thread, where head and loss are half the work: 1.37x faster in bf16, 1.13x in fp32
+    (results/step-cpu.md); bert-mini's: no change. The same numbers up to float rounding: a row's
+    log-sum-exp is the same reduction, only the order of the final mean differs."""
 
     ROWS = 32  # 32 x 8192 fp32 logits: 1 MiB, inside a core's L2
 
