@@ -150,21 +150,20 @@ def cpu_bf16_support() -> tuple[bool, str]:
                 found.append(name)
         except RuntimeError:  # a build without the probe's backend
             pass
-    if not found and platform.machine().lower() in ("aarch64", "arm64"):
-        found += arm_bf16_flag()
-    return (True, ", ".join(found)) if found else (False, "neither avx512_bf16 nor amx" + _arm_note())
+    arm = platform.machine().lower() in ("aarch64", "arm64")
+    if not found and arm and arm_bf16_flag():
+        found.append("bf16")
+    if found:
+        return True, ", ".join(found)
+    return False, "neither avx512_bf16 nor amx" + (", nor Arm bf16" if arm else "")
 
 
-def arm_bf16_flag() -> list[str]:
-    """["bf16"] when /proc/cpuinfo lists Arm's BF16 extension (Linux)."""
+def arm_bf16_flag() -> bool:
+    """Whether /proc/cpuinfo lists Arm's BF16 extension (Linux)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.lower().startswith("features") and "bf16" in line.split(":", 1)[1].split():
-                return ["bf16"]
+                return True
     except OSError:
         pass
-    return []
-
-
-def _arm_note() -> str:
-    return ", nor Arm bf16" if platform.machine().lower() in ("aarch64", "arm64") else ""
+    return False
