@@ -203,6 +203,7 @@ class RunCard:
         losses = [r for r in records if "loss" in r]
         validation = result.validation or {}
         anytime = [r for r in records if "anytime_fraction" in r]
+        memory = next((r for r in reversed(records) if "optimizer_state_bytes" in r), {})
         self.metrics |= {
             "stop_reason": result.stop_reason,
             "updates": result.progress.updates,
@@ -214,6 +215,10 @@ class RunCard:
             "val_mlm_acc": validation.get("mlm_acc"),
             "tok_per_s": statistics.median(r["tok_per_s"] for r in losses) if losses else None,
             "anytime": [{k: v for k, v in r.items() if k != "update"} for r in anytime],
+            **{
+                k: memory.get(k)
+                for k in ("optimizer_state_bytes", "optimizer_state_ratio_to_adamw", "peak_memory_bytes")
+            },
         }
         self.seconds |= split_training_time(
             losses,

@@ -6,6 +6,8 @@ import itertools
 import logging
 import os
 import random
+import resource
+import sys
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -24,6 +26,15 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak memory: on CUDA the most GPU memory allocated since the last reset_peak_memory_stats; elsewhere the
+    process's peak resident set (ru_maxrss: kilobytes on Linux, bytes on macOS)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
 
 
 @contextmanager

@@ -161,7 +161,10 @@ def test_log_line_and_metrics_record(tmp_path, caplog):
     records = read_metrics(run_dir(cfg))
     assert [r["update"] for r in records if "loss" in r] == [1, 5]
     keys = {"loss", "mlm_acc", "lr", "seq_per_s", "tok_per_s", "elapsed_h", "budget_fraction", "batch_size"}
-    assert keys <= records[-2].keys()
+    assert keys <= records[-3].keys()
+    memory = records[-2]  # measured at the end: AdamW holds two fp32 moments per parameter
+    assert memory["optimizer_state_ratio_to_adamw"] == 1.0 and memory["optimizer_state_bytes"] > 0
+    assert memory["peak_memory_bytes"] > 0
     assert "val_loss" in records[-1]
 
 

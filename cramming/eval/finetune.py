@@ -33,9 +33,10 @@ from cramming.eval.tasks import GlueTask
 from cramming.impl import ImplConfig
 from cramming.optim import build_optimizer
 from cramming.optim.config import OptimConfig
+from cramming.optim.report import optimizer_state_report
 from cramming.train.schedules import LR_SCHEDULES, step_progress
 from cramming.train.step import TrainStep
-from cramming.utils import seed_everything
+from cramming.utils import peak_memory_bytes, seed_everything
 
 log = logging.getLogger("cramming")
 
@@ -102,6 +103,12 @@ class TaskResult:
     seconds: float
     final_loss: float
     stopped_by_budget: bool
+    # measured after training, from the optimizer's own state tensors (cramming.optim.report)
+    optimizer_state_bytes: int | None = None
+    optimizer_state_ratio_to_adamw: float | None = None
+    # on CUDA this run's peak of allocated GPU memory; on a CPU the process's peak resident memory so far
+    # (monotone: an evaluation's peak is its last run's), see cramming.utils.peak_memory_bytes
+    peak_memory_bytes: int | None = None
 
 
 def finetune(
@@ -116,6 +123,8 @@ def finetune(
     """Fine-tune a fresh copy of `backbone` on `task` and evaluate every evaluation split."""
     start = time.perf_counter()
     device = impl.torch_device()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
     seed_everything(seed)
     encoder = copy.deepcopy(backbone.encoder)
     model = SequenceClassifier(encoder, backbone.hidden_size, task.num_labels, backbone.dropout, cfg.head)
@@ -162,9 +171,13 @@ def finetune(
         task.entry_name(split): evaluate(model, task, splits[split or "dev"], backbone, cfg, seed)
         for split, _, _ in task.eval_splits
     }
+    state = optimizer_state_report(optimizer)
     return TaskResult(
-        metrics, len(train), step.stats.updates, time.perf_counter() - start, loss_value, stopped
-    )
+        metrics, len(train), step.stats.updates, time.perf_counter() - start, loss_value, stopped,
+        optimizer_state_bytes=state["state_bytes"],
+        optimizer_state_ratio_to_adamw=state["ratio_to_adamw_fp32"],
+        peak_memory_bytes=peak_memory_bytes(device),
+    )  # fmt: skip
 
 
 # with eval.group_by_length, examples are sorted by length within windows of this many batches

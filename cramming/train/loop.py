@@ -45,7 +45,7 @@ from cramming.train.schedules import LR_SCHEDULES, accumulation_steps, step_prog
 from cramming.train.signals import STOP_SIGNALS, StopSignals, catch_stop_signals
 from cramming.train.step import TrainStep
 from cramming.train.tensorboard import TensorBoardWriter
-from cramming.utils import seed_everything
+from cramming.utils import peak_memory_bytes, seed_everything
 
 if TYPE_CHECKING:  # annotations only: the top-level schema also knows eval/, which train/ never imports
     from cramming.config import PretrainConfig
@@ -625,6 +625,14 @@ def finish(run: Run, reason: str) -> TrainResult:
         return TrainResult(
             run.run_dir, reason, run.progress, elapsed, None, None, run.elapsed_before, run.step.stats.skipped
         )
+    # the optimizer state measured from its tensors (this rank's shard under FSDP2), and the peak memory
+    state = optimizer_state_report(run.optimizer)
+    write_metrics(run, {
+        "update": run.progress.updates,
+        "optimizer_state_bytes": state["state_bytes"],
+        "optimizer_state_ratio_to_adamw": state["ratio_to_adamw_fp32"],
+        "peak_memory_bytes": peak_memory_bytes(run.ranks.device),
+    })  # fmt: skip
     validation = evaluate(run)  # on every rank: FSDP2's forward is collective
     info = {"updates": run.progress.updates, "elapsed_h": elapsed / 3600, "stop_reason": reason}
     if validation:
