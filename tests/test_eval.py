@@ -74,6 +74,12 @@ def test_every_optimizer_family_fits_the_training_subset(sst2, optim):
     accuracy = result.metrics["SST-2"]["accuracy"]
     assert accuracy > majority + 0.1, f"{optim}: accuracy {accuracy:.3f}, majority class {majority:.3f}"
     assert result.steps == 8 * 10
+    # the run records what it measured: state from the optimizer's tensors, peak memory, training time
+    full_state = optim in ("adamw", "adamw_layerwise")  # two fp32 moments per parameter
+    ratio = result.optimizer_state_ratio_to_adamw
+    assert ratio == 1.0 if full_state else 0 < ratio < 1, f"{optim}: state {ratio} of AdamW's"
+    assert result.optimizer_state_bytes > 0 and result.peak_memory_bytes > 0
+    assert 0 < result.train_seconds <= result.seconds
 
 
 def partial_glue(tmp_path: Path, glue_dir: Path, tasks=("RTE", "STS-B")) -> Path:

@@ -103,6 +103,9 @@ class TaskResult:
     seconds: float
     final_loss: float
     stopped_by_budget: bool
+    train_seconds: float | None = (
+        None  # the training epochs alone (seconds also counts encoding and evaluation)
+    )
     # measured after training, from the optimizer's own state tensors (cramming.optim.report)
     optimizer_state_bytes: int | None = None
     optimizer_state_ratio_to_adamw: float | None = None
@@ -144,7 +147,7 @@ def finetune(
     schedule = LR_SCHEDULES[cfg.schedule]
     total = epochs * math.ceil(len(train) / batch_size)
     rng = np.random.default_rng(seed)
-    loss_value, stopped = float("nan"), False
+    loss_value, stopped, train_seconds = float("nan"), False, 0.0
     model.train()
     for epoch in range(epochs):
         epoch_start = time.perf_counter()
@@ -153,9 +156,11 @@ def finetune(
             backbone.pad_id, task.is_regression,
             lambda updates: schedule.factor(step_progress(updates, total), cfg.warmup), clock,
         )  # fmt: skip
+        epoch_seconds = time.perf_counter() - epoch_start
+        train_seconds += epoch_seconds
         log.info(
             "%s seed %d epoch %d/%d: loss %.4f, %.0f examples/s%s",
-            task.name, seed, epoch + 1, epochs, mean_loss, len(train) / max(time.perf_counter() - epoch_start, 1e-9),
+            task.name, seed, epoch + 1, epochs, mean_loss, len(train) / max(epoch_seconds, 1e-9),
             " (eval budget spent: stopping here)" if stopped else "",
         )  # fmt: skip
         if stopped:
@@ -174,6 +179,7 @@ def finetune(
     state = optimizer_state_report(optimizer)
     return TaskResult(
         metrics, len(train), step.stats.updates, time.perf_counter() - start, loss_value, stopped,
+        train_seconds=train_seconds,
         optimizer_state_bytes=state["state_bytes"],
         optimizer_state_ratio_to_adamw=state["ratio_to_adamw_fp32"],
         peak_memory_bytes=peak_memory_bytes(device),
