@@ -1,0 +1,85 @@
+"""scripts/optim_study.py: the optimizer study's tables from evaluation and pretraining folders."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from cramming.eval.tasks import GLUE_TASKS
+
+SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "optim_study.py"
+TASKS = ("SST-2", "MRPC", "STS-B", "RTE", "CoLA")
+METRIC = {task: GLUE_TASKS[task].metrics[0] for task in TASKS}
+
+
+def load_script():
+    spec = importlib.util.spec_from_file_location("optim_study", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def write_eval(folder: Path, scores: dict[str, list[float]], state: int, ratio: float) -> str:
+    runs = [
+        {"task": task, "seed": seed, "metrics": {task: {METRIC[task]: value}}, "steps": 100,
+         "seconds": 12.0, "train_seconds": 10.0, "optimizer_state_bytes": state + seed,
+         "optimizer_state_ratio_to_adamw": ratio, "peak_memory_bytes": 2**20 * (seed + 1)}
+        for task, values in scores.items()
+        for seed, value in enumerate(values)
+    ]  # fmt: skip
+    folder.mkdir(parents=True)
+    (folder / "glue_results.json").write_text(json.dumps({"checkpoint": "none", "runs": runs}))
+    return str(folder)
+
+
+def test_glue_rows_compare_with_the_reference_beyond_the_seed_spread(tmp_path, capsys):
+    study = load_script()
+    base = {task: [0.50, 0.52, 0.51] for task in TASKS}
+    # RTE falls by 5 points, more than either spread (2 points); CoLA by 3 points, inside its own 10-point spread
+    lean = {**base, "RTE": [0.45, 0.47, 0.46], "CoLA": [0.40, 0.48, 0.50]}
+    rows = study.glue_rows({"adamw": write_eval(tmp_path / "a", base, 8000, 1.0),
+                            "lean": write_eval(tmp_path / "b", lean, 2000, 0.25)})  # fmt: skip
+    assert study.below_reference(rows[1], rows[0]) == ["RTE -5.0"]
+    assert rows[1]["state_bytes"] == 2002 and rows[1]["state_ratio"] == 0.25  # the largest over runs
+    assert rows[1]["ms_per_update"] == pytest.approx(100.0) and rows[1]["peak_bytes"] == 3 * 2**20
+    assert rows[0]["seed_averages"] == pytest.approx([50.0, 52.0, 51.0])
+    study.main(
+        ["glue", f"adamw={tmp_path / 'a'}", f"lean={tmp_path / 'b'}", "--plot", str(tmp_path / "p.png")]
+    )
+    table = capsys.readouterr().out
+    lean_line = next(line for line in table.splitlines() if line.startswith("| lean"))
+    assert "RTE -5.0" in lean_line and "(25.0%)" in lean_line and "(1.00)" in lean_line
+    assert (tmp_path / "p.png").stat().st_size > 0
+
+
+def test_a_row_without_all_five_tasks_is_refused(tmp_path):
+    study = load_script()
+    partial = {task: [0.5] for task in TASKS[:4]}
+    with pytest.raises(SystemExit, match="CoLA"):
+        study.glue_rows({"x": write_eval(tmp_path / "x", partial, 1, 1.0)})
+
+
+def write_pretrain(folder: Path, val_loss: float, updates: int = 50, seed: int = 0) -> str:
+    folder.mkdir(parents=True)
+    card = {"status": "finished", "seed": seed, "config": {"train": {"optim": {"name": "adamw"}}},
+            "seconds": {"train": 5.0},
+            "metrics": {"updates": updates, "val_loss": val_loss, "optimizer_state_bytes": 800,
+                        "optimizer_state_ratio_to_adamw": 1.0, "peak_memory_bytes": 2**20}}  # fmt: skip
+    (folder / "run_card.json").write_text(json.dumps(card))
+    (folder / "metrics.jsonl").write_text(json.dumps({"update": updates, "val_context_gain": 1.5}) + "\n")
+    return str(folder)
+
+
+def test_pretraining_rows_average_seeds_and_refuse_unequal_updates(tmp_path, capsys):
+    study = load_script()
+    ref = ",".join(write_pretrain(tmp_path / f"r{s}", 4.0 + 0.1 * s, seed=s) for s in range(2))
+    other = write_pretrain(tmp_path / "o", 4.1)
+    study.main(["pretrain", f"adamw={ref}", f"lean={other}"])
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("| lean"))
+    assert f"{100 * (math.exp(4.1) / math.exp(4.05) - 1):+.2f}%" in line and "1.500" in line
+    with pytest.raises(SystemExit, match="equal updates"):
+        study.pretrain_rows({"adamw": ref, "short": write_pretrain(tmp_path / "s", 4.0, updates=40)})
