@@ -10,6 +10,7 @@ optimizer that stores a small second moment as 0 multiplies that element's step 
 
 from __future__ import annotations
 
+import copy
 import io
 import logging
 import sys
@@ -262,3 +263,27 @@ def test_auto_kernel_falls_back_where_triton_cannot_launch(monkeypatch, caplog):
     model.weight.grad = torch.randn(64, 128)
     opt.step()
     assert "m_codes" in opt.state[model.weight]
+
+
+def test_first_moment_rounding_is_validated_and_stochastic_rounding_resumes_exactly():
+    with pytest.raises(ConfigError, match="first_moment_rounding"):
+        build_optimizer(nn.Linear(64, 64), OptimConfig(name="adamw_4bit", first_moment_rounding="up"))
+
+    def trained(steps: int, resume_at: int | None = None, rounding: str = "stochastic") -> torch.Tensor:
+        torch.manual_seed(0)
+        model = nn.Linear(256, 64, bias=False)
+        cfg = OptimConfig(name="adamw_4bit", first_moment_rounding=rounding, **SETTINGS)
+        opt = build_optimizer(model, cfg)
+        for step, grad in enumerate(wide_gradients(), 1):
+            if step > steps:
+                break
+            model.weight.grad = grad[:, :256]
+            opt.step()
+            if step == resume_at:  # a fresh optimizer from the saved state, as a resumed run builds it
+                saved = copy.deepcopy(opt.state_dict())
+                opt = build_optimizer(model, cfg)
+                opt.load_state_dict(saved)
+        return model.weight.detach()
+
+    assert torch.equal(trained(12), trained(12, resume_at=6))  # the rounding draws depend on the step only
+    assert not torch.equal(trained(12), trained(12, rounding="nearest"))

@@ -11,6 +11,7 @@ from cramming.optim.quant import (
     QuantMap,
     dequantize_blockwise,
     dynamic_map,
+    hashed_uniform,
     quantize_blockwise,
 )
 
@@ -142,3 +143,44 @@ def test_chunked_step_equals_one_piece(monkeypatch, sqrt_v):
     assert torch.equal(p1, p2)
     for key in ("m_codes", "m_absmax", "v_codes", "v_absmax"):
         assert torch.equal(getattr(a, key), getattr(b, key)), key
+
+
+# --- stochastic rounding (4-bit first moments, first_moment_rounding=stochastic) --------------------------
+
+
+def test_hashed_uniform_is_uniform_repeatable_and_changes_with_the_step():
+    u = hashed_uniform((64, 1024), step=7)
+    assert u.min() >= 0 and u.max() < 1
+    assert torch.equal(u, hashed_uniform((64, 1024), step=7))  # a resumed run draws the same numbers
+    assert not torch.equal(u, hashed_uniform((64, 1024), step=8))
+    # 65,536 draws: the mean's standard error is 0.0011, each decile's count's is 0.12% of the draws
+    assert abs(u.mean().item() - 0.5) < 0.006
+    counts = torch.histc(u, bins=10, min=0, max=1) / u.numel()
+    assert (counts - 0.1).abs().max() < 0.006
+
+
+def test_stochastic_rounding_picks_a_neighbour_and_is_unbiased():
+    qmap = QuantMap.build(dynamic_map(True, bits=4))
+    y = torch.linspace(float(qmap.code[0]), float(qmap.code[-1]), 501)  # the 4-bit map spans -0.8875 .. 1
+    steps = 400
+    decoded = torch.stack([qmap.decode(qmap.stochastic(y, hashed_uniform(y.shape, t))) for t in range(steps)])
+    code = qmap.code
+    lower = code[(torch.searchsorted(code, y, right=True) - 1).clamp(0, code.numel() - 2)]
+    upper = code[(torch.searchsorted(code, y, right=True)).clamp(1, code.numel() - 1)]
+    assert ((decoded == lower) | (decoded == upper)).all()  # never a code further away
+    # each draw is lower or upper: its standard deviation is at most half the gap; 6 standard errors of 400
+    gap = (upper - lower).clamp_min(1e-12)
+    assert ((decoded.mean(0) - y).abs() <= 6 * gap / 2 / steps**0.5).all()
+
+
+def test_a_decaying_moment_sticks_with_nearest_and_decays_with_stochastic_rounding():
+    """m ← 0.9·m with no new gradient, re-quantized each step: round-to-nearest keeps a 16-code moment at its
+    code (0.9·c rounds back to c), stochastic rounding lets it fall as 0.9^t on average."""
+    qmap = QuantMap.build(dynamic_map(True, bits=4))
+    start = qmap.code[-3]  # a code near the top, where the codes are 10-30% apart
+    nearest = stochastic = torch.full((4096,), float(start))
+    for t in range(30):
+        nearest = qmap.decode(qmap.nearest(0.9 * nearest))
+        stochastic = qmap.decode(qmap.stochastic(0.9 * stochastic, hashed_uniform(stochastic.shape, t)))
+    assert torch.equal(nearest, torch.full_like(nearest, float(start)))
+    assert stochastic.mean() < 0.2 * start  # 0.9^30 = 0.042 on average

@@ -35,7 +35,7 @@ from cramming.optim.lowbit import (
     specs_4bit,
     specs_8bit,
 )
-from cramming.optim.quant import SECOND_MOMENT_MAPS, QuantMap, first_moment_map, second_moment_map
+from cramming.optim.quant import ROUNDINGS, SECOND_MOMENT_MAPS, QuantMap, first_moment_map, second_moment_map
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +50,8 @@ class AdamW(LeanOptimizer):
     second_moment_map: how 8-bit second moments are stored, a SECOND_MOMENT_MAPS name ("dynamic" is
         bitsandbytes' map, whose zero point blows steps up on wide-ranged blocks; see cramming.optim.quant).
         4-bit state has its own format (cramming.optim.lowbit.specs_4bit).
+    first_moment_rounding: how 4-bit first moments are re-quantized, "nearest" or "stochastic" (unbiased;
+        round-to-nearest lets a 16-code moment stick, see cramming.optim.lowbit.adamw4bit_update_torch).
     kernel: "auto" fuses 8-bit updates of CUDA tensors in Triton when `triton_status` says a kernel can
         launch there, and uses PyTorch otherwise; "torch" always PyTorch; "triton" always the kernel (on CPU
         only in the Triton interpreter, for tests).
@@ -66,12 +68,17 @@ class AdamW(LeanOptimizer):
         optim_bits: int = 32,
         min_8bit_size: int = MIN_8BIT_SIZE,
         second_moment_map: str = DEFAULT_SECOND_MOMENT_MAP,
+        first_moment_rounding: str = "nearest",
         kernel: str = "auto",
         layerwise: bool = False,
         max_grad_norm: float | None = None,
     ) -> None:
         if optim_bits not in (4, 8, 32):
             raise ValueError(f"optim_bits must be 4, 8 or 32, got {optim_bits}")
+        if first_moment_rounding not in ROUNDINGS:
+            raise ValueError(
+                f"first_moment_rounding must be one of {ROUNDINGS}, got {first_moment_rounding!r}"
+            )
         if kernel not in KERNELS:
             raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
         if second_moment_map not in SECOND_MOMENT_MAPS:
@@ -89,6 +96,7 @@ class AdamW(LeanOptimizer):
         super().__init__(params, defaults, layerwise=layerwise, max_grad_norm=max_grad_norm)
         self.kernel = kernel
         self.second_moment_map = second_moment_map
+        self.first_moment_rounding = first_moment_rounding
         self._maps: dict[torch.device, tuple[QuantMap, QuantMap, Maps4bit]] = {}
         self._triton_ok: dict[str, bool] = {}
 
@@ -141,7 +149,8 @@ class AdamW(LeanOptimizer):
     def _update_quantized(self, param: torch.Tensor, grad: torch.Tensor, state: dict, s: AdamScalars) -> None:
         m_map, v_map, maps4 = self._quant_maps(param.device)
         if state["v_map"] == RANK1_DYNAMIC4:
-            adamw4bit_update_torch(param, grad, state, maps4, s)
+            stochastic = state["step"] if self.first_moment_rounding == "stochastic" else None
+            adamw4bit_update_torch(param, grad, state, maps4, s, stochastic_step=stochastic)
             return
         sqrt_v = SECOND_MOMENT_MAPS[self.second_moment_map].sqrt
         if self._use_triton(param):

@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass, field
 
 from cramming.errors import check_choice, config_error
-from cramming.optim.quant import SECOND_MOMENT_MAPS
+from cramming.optim.quant import ROUNDINGS, SECOND_MOMENT_MAPS
 
 PROJ_TYPES = ("std", "reverse_std", "left", "right", "full")
 ALL_LINEAR = "all-linear"
@@ -55,6 +55,10 @@ class OptimConfig:
     # up to 31x Adam's; see cramming/optim/quant.py). 4-bit state has its own zero-free format; the
     # bitsandbytes backend always uses its own map (dynamic)
     second_moment_map: str = "sqrt"
+    # how 4-bit first moments are re-quantized after each step: nearest (round to the nearest of 16 codes)
+    # or stochastic (unbiased: with nearest a moment can stick at a code, as 0.9·c rounds back to c;
+    # results/glue-optimizers.md measures both). 8-bit state always rounds to nearest
+    first_moment_rounding: str = "nearest"
     # cramming (ours, every name) or bitsandbytes (bnb.optim.AdamW8bit, for adamw_8bit; needs bitsandbytes)
     backend: str = "cramming"
 
@@ -79,6 +83,7 @@ class OptimConfig:
         self._check_targets(scope)
         check_choice(f"{scope}.second_moment_map", self.second_moment_map, SECOND_MOMENT_MAPS)
         check_choice(f"{scope}.backend", self.backend, BACKENDS)
+        check_choice(f"{scope}.first_moment_rounding", self.first_moment_rounding, ROUNDINGS)
         if self.min_8bit_size < 0:
             raise config_error(
                 f"{scope}.min_8bit_size", self.min_8bit_size, "use 0 or a positive element count"

@@ -31,6 +31,7 @@ from cramming.optim.quant import (
     pack_nibbles,
     packed_size,
     quantize_blocks,
+    quantize_blocks_stochastic,
     quantize_rank1,
     rank1_shape,
     second_moment_map,
@@ -285,9 +286,19 @@ def specs_4bit(shape: tuple[int, ...]) -> dict[str, tuple[tuple[int, ...], torch
 
 
 def adamw4bit_update_torch(
-    param: torch.Tensor, grad: torch.Tensor, state: dict, maps: Maps4bit, s: AdamScalars
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    state: dict,
+    maps: Maps4bit,
+    s: AdamScalars,
+    stochastic_step: int | None = None,
 ) -> None:
-    """One AdamW step with 4-bit moments (the tensors of specs_4bit in `state`), in place."""
+    """One AdamW step with 4-bit moments (the tensors of specs_4bit in `state`), in place.
+
+    stochastic_step: None rounds the first moment to the nearest code; a step number rounds it stochastically
+    (hashed_uniform of that step). With 16 codes, round-to-nearest sticks: 0.9·c rounds back to c, so a
+    moment whose gradients average out keeps its value and its weight keeps moving one way
+    (results/optim_quality.md); stochastic rounding is unbiased and lets it decay on average."""
     n = param.numel()
     matrix = rank1_shape(tuple(param.shape))
     g = grad.detach().reshape(-1).float()
@@ -302,7 +313,10 @@ def adamw4bit_update_torch(
     _adamw_step(p, g, m, v, s)
     if not aliased:
         param.detach().copy_(p.view(param.shape))
-    m_codes, m_absmax = quantize_blocks(as_blocks(m, QBLOCK_4BIT), maps.m)
+    if stochastic_step is None:
+        m_codes, m_absmax = quantize_blocks(as_blocks(m, QBLOCK_4BIT), maps.m)
+    else:
+        m_codes, m_absmax = quantize_blocks_stochastic(as_blocks(m, QBLOCK_4BIT), maps.m, stochastic_step)
     state["m_codes"].copy_(pack_nibbles(m_codes.view(-1)[:n]))
     state["m_absmax"].copy_(m_absmax)
     if matrix is None:

@@ -121,9 +121,40 @@ class QuantMap:
         above = torch.index_select(self.bin_midpoint, 0, bins) < y.reshape(-1)
         return count.add_(above).view(y.shape)
 
+    def stochastic(self, y: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        """Index (uint8) of one of the two codes around each fp32 y, the upper one with probability
+        (y - lower) / (upper - lower) for u uniform in [0, 1): unbiased, E[decode] = y inside the map's
+        range (values past the end codes take the end code)."""
+        index = self.nearest(y).long()
+        lower = (index - (torch.index_select(self.code, 0, index.view(-1)).view(y.shape) > y).long()).clamp_(
+            0, self.code.numel() - 2
+        )
+        low = torch.index_select(self.code, 0, lower.view(-1)).view(y.shape)
+        high = torch.index_select(self.code, 0, (lower + 1).view(-1)).view(y.shape)
+        up = ((y - low) / (high - low)).clamp_(0.0, 1.0)
+        return (lower + (u < up).long()).to(torch.uint8)
+
     def decode(self, codes: torch.Tensor) -> torch.Tensor:
         """fp32 code values of uint8 indices (any shape)."""
         return torch.index_select(self.code, 0, codes.reshape(-1).int()).view(codes.shape)
+
+
+def hashed_uniform(
+    shape: tuple[int, ...], step: int, device: torch.device | str | None = None
+) -> torch.Tensor:
+    """Uniform [0, 1) numbers from an integer hash of (element index, step): the same for the same step, so
+    a resumed run rounds exactly as the uninterrupted one, with no generator state to save. Tensors of one
+    step share the sequence; each tensor's own elements and steps differ. 24 bits of each hash are used."""
+    n = math.prod(shape)
+    x = (torch.arange(n, dtype=torch.int64, device=device) + step * 0x9E3779B1) & 0xFFFFFFFF
+    for _ in range(2):  # a 32-bit integer mixer (xor-shift-multiply); int64 holds the products
+        x = (((x >> 16) ^ x) * 0x45D9F3B) & 0xFFFFFFFF
+    x = (x >> 16) ^ x
+    return ((x >> 8).to(torch.float32) * 2.0**-24).view(shape)
+
+
+# how low-bit moments are re-quantized: to the nearest code, or stochastically (QuantMap.stochastic)
+ROUNDINGS = ("nearest", "stochastic")
 
 
 # --- second-moment maps of the 8-bit optimizers ------------------------------------------------------
@@ -174,6 +205,16 @@ def quantize_blocks(blocks: torch.Tensor, qmap: QuantMap) -> tuple[torch.Tensor,
     absmax = blocks.abs().amax(dim=1)  # (blocks,); not aminmax: its dim-wise CPU path is ~40x slower
     scale = torch.where(absmax > 0, absmax, torch.ones_like(absmax))
     return qmap.nearest(blocks / scale[:, None]), absmax
+
+
+def quantize_blocks_stochastic(
+    blocks: torch.Tensor, qmap: QuantMap, step: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """As quantize_blocks, each value rounded stochastically (QuantMap.stochastic, hashed_uniform of `step`)."""
+    absmax = blocks.abs().amax(dim=1)
+    scale = torch.where(absmax > 0, absmax, torch.ones_like(absmax))
+    u = hashed_uniform(tuple(blocks.shape), step, blocks.device)
+    return qmap.stochastic(blocks / scale[:, None], u), absmax
 
 
 def quantize_blockwise(
