@@ -14,7 +14,7 @@ the reference first:
 Per GLUE row: each task's median over seeds [min, max], the five-task average of the medians and its
 difference to the reference, the tasks that fall below the reference by more than the larger of the two seed
 spreads (max - min), the optimizer state measured from its tensors after fine-tuning (and as % of AdamW's
-fp32 moments), the fine-tuning process's peak memory, and milliseconds per update of the training epochs.
+fp32 moments) and the fine-tuning process's peak memory (update times: scripts/bench_finetune_optim.py).
 Per pretraining row: held-out MLM loss and perplexity (mean over seeds, each seed listed), the perplexity's
 difference to the reference in %, the context-use gain, state, peak memory and milliseconds per update.
 """
@@ -62,20 +62,16 @@ def seed_averages(scores: dict[str, EntryScore]) -> list[float]:
 
 def run_figures(results: dict) -> dict:
     """State bytes and their ratio to AdamW's (the largest over the runs: the task heads differ by a few
-    hundred parameters), the process's peak memory and ms per update."""
+    hundred parameters) and the process's peak memory. Update times come from scripts/bench_finetune_optim.py,
+    which measures the optimizers side by side: the runs' own times depend on what ran beside each."""
     runs = results["runs"]
     states = [run.get("optimizer_state_bytes") for run in runs]
     ratios = [run.get("optimizer_state_ratio_to_adamw") for run in runs]
     peaks = [run["peak_memory_bytes"] for run in runs if run.get("peak_memory_bytes")]
-    timed = [run for run in runs if run.get("train_seconds")]
     return {
         "state_bytes": None if None in states else max(states),
         "state_ratio": None if None in ratios else max(ratios),
         "peak_bytes": max(peaks) if peaks else None,
-        # whole-evaluation figure: every (task, seed) of the row, by their updates
-        "ms_per_update": 1000 * sum(r["train_seconds"] for r in timed) / sum(r["steps"] for r in timed)
-        if len(timed) == len(runs)
-        else None,
     }
 
 
@@ -109,18 +105,15 @@ def _mib(nbytes: float | None) -> str:
 def glue_table(rows: list[dict]) -> str:
     reference = rows[0]
     head = ["optimizer", *TASKS, "average [seed min, max]", "Δ avg", "tasks below (beyond spread)",
-            "state MiB (% AdamW)", "peak MiB", "ms/update (× ref)"]  # fmt: skip
+            "state MiB (% AdamW)", "peak MiB"]  # fmt: skip
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    ref_ms = reference["ms_per_update"]
     for row in rows:
         lo, hi = min(row["seed_averages"]), max(row["seed_averages"])
         delta = "—" if row is reference else f"{row['average'] - reference['average']:+.2f}"
         below = "—" if row is reference else (", ".join(below_reference(row, reference)) or "none")
         ratio = "" if row["state_ratio"] is None else f" ({100 * row['state_ratio']:.1f}%)"
-        ms = row["ms_per_update"]
-        speed = "—" if ms is None else f"{ms:.1f}" + (f" ({ms / ref_ms:.2f})" if ref_ms else "")
         cells = [row["label"], *(cell(row["scores"][t]) for t in TASKS), f"{row['average']:.2f} [{lo:.1f}, {hi:.1f}]",
-                 delta, below, _mib(row["state_bytes"]) + ratio, _mib(row["peak_bytes"]), speed]  # fmt: skip
+                 delta, below, _mib(row["state_bytes"]) + ratio, _mib(row["peak_bytes"])]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -160,7 +153,7 @@ def pretrain_run(folder: Path) -> dict:
         raise SystemExit(f"{folder}: no {RUN_CARD}; give the folder of a finished pretraining run")
     card = json.loads(card_path.read_text())
     metrics = card.get("metrics", {})
-    if card.get("status") != "finished" or metrics.get("val_loss") is None:
+    if card.get("status") != "ok" or metrics.get("val_loss") is None:
         raise SystemExit(
             f"{folder}: the run did not finish with a validation loss (status {card.get('status')})"
         )

@@ -45,14 +45,16 @@ def test_glue_rows_compare_with_the_reference_beyond_the_seed_spread(tmp_path, c
                             "lean": write_eval(tmp_path / "b", lean, 2000, 0.25)})  # fmt: skip
     assert study.below_reference(rows[1], rows[0]) == ["RTE -5.0"]
     assert rows[1]["state_bytes"] == 2002 and rows[1]["state_ratio"] == 0.25  # the largest over runs
-    assert rows[1]["ms_per_update"] == pytest.approx(100.0) and rows[1]["peak_bytes"] == 3 * 2**20
+    assert rows[1]["peak_bytes"] == 3 * 2**20
     assert rows[0]["seed_averages"] == pytest.approx([50.0, 52.0, 51.0])
     study.main(
         ["glue", f"adamw={tmp_path / 'a'}", f"lean={tmp_path / 'b'}", "--plot", str(tmp_path / "p.png")]
     )
     table = capsys.readouterr().out
     lean_line = next(line for line in table.splitlines() if line.startswith("| lean"))
-    assert "RTE -5.0" in lean_line and "(25.0%)" in lean_line and "(1.00)" in lean_line
+    assert (
+        "RTE -5.0" in lean_line and "(25.0%)" in lean_line and "-1.07" in lean_line
+    )  # average 50.00 vs 51.07
     assert (tmp_path / "p.png").stat().st_size > 0
 
 
@@ -65,7 +67,7 @@ def test_a_row_without_all_five_tasks_is_refused(tmp_path):
 
 def write_pretrain(folder: Path, val_loss: float, updates: int = 50, seed: int = 0) -> str:
     folder.mkdir(parents=True)
-    card = {"status": "finished", "seed": seed, "config": {"train": {"optim": {"name": "adamw"}}},
+    card = {"status": "ok", "seed": seed, "config": {"train": {"optim": {"name": "adamw"}}},
             "seconds": {"train": 5.0},
             "metrics": {"updates": updates, "val_loss": val_loss, "optimizer_state_bytes": 800,
                         "optimizer_state_ratio_to_adamw": 1.0, "peak_memory_bytes": 2**20}}  # fmt: skip
