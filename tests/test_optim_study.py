@@ -53,8 +53,8 @@ def test_glue_rows_compare_with_the_reference_beyond_the_seed_spread(tmp_path, c
     table = capsys.readouterr().out
     lean_line = next(line for line in table.splitlines() if line.startswith("| lean"))
     assert (
-        "RTE -5.0" in lean_line and "(25.0%)" in lean_line and "-1.07" in lean_line
-    )  # average 50.00 vs 51.07
+        "RTE -5.0" in lean_line and "(25.0%)" in lean_line and "-1.60" in lean_line
+    )  # medians: 49.40 against 51.00
     assert (tmp_path / "p.png").stat().st_size > 0
 
 
