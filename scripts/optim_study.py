@@ -134,8 +134,10 @@ def glue_plot(panels: list[tuple[str, list[dict]]], path: Path) -> None:
         reference = rows[0]["average"]
         ax.axhspan(reference - 1, reference + 1, color="grey", alpha=0.15)
         ax.set_xscale("log")
+        shown = [100 * row["state_ratio"] for row in rows if row["state_ratio"] is not None]
+        ax.set_xlim(min(shown) / 1.3, max(shown) * 2.0)  # room for the labels right of the points
         ax.set_xlabel("optimizer state, % of AdamW's (measured)")
-        ax.set_ylabel("GLUE average, 5 tasks (median of 3 seeds)")
+        ax.set_ylabel("GLUE average of 5 task medians\n(bars: range of the seeds' averages)")
         ax.set_title(f"{title} (grey: {rows[0]['label']} ± 1 point)", fontsize=9)
         ax.grid(alpha=0.3)
     problems = layout_problems(fig)
