@@ -79,7 +79,7 @@ def test_documented_command_composes(line):
         pytest.importorskip(
             "hydra_plugins.hydra_submitit_launcher", reason="the cluster extra is not installed"
         )
-    if any(o.startswith("+sweep=glue-lr-search") for o in overrides):
+    if any(o.startswith(("+sweep=glue-lr-search", "+sweep=glue-galore-search")) for o in overrides):
         pytest.importorskip("hydra_plugins.hydra_optuna_sweeper", reason="the cluster extra is not installed")
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose("pretrain" if entry == "pretrain" else "eval", overrides=overrides)
