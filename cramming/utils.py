@@ -6,7 +6,6 @@ import itertools
 import logging
 import os
 import random
-import resource
 import sys
 import tempfile
 from collections.abc import Iterator
@@ -33,6 +32,8 @@ def peak_memory_bytes(device: torch.device) -> int:
     process's peak resident set (ru_maxrss: kilobytes on Linux, bytes on macOS)."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
+    import resource  # Unix only: imported where it is needed, so the package imports everywhere
+
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak if sys.platform == "darwin" else peak * 1024
 

@@ -103,9 +103,8 @@ class TaskResult:
     seconds: float
     final_loss: float
     stopped_by_budget: bool
-    train_seconds: float | None = (
-        None  # the training epochs alone (seconds also counts encoding and evaluation)
-    )
+    # the training epochs alone (`seconds` also counts encoding and evaluation)
+    train_seconds: float | None = None
     # measured after training, from the optimizer's own state tensors (cramming.optim.report)
     optimizer_state_bytes: int | None = None
     optimizer_state_ratio_to_adamw: float | None = None

@@ -298,7 +298,9 @@ def adamw4bit_update_torch(
     stochastic_step: None rounds the first moment to the nearest code; a step number rounds it stochastically
     (hashed_uniform of that step). With 16 codes, round-to-nearest sticks: 0.9·c rounds back to c, so a
     moment whose gradients average out keeps its value and its weight keeps moving one way
-    (results/optim_quality.md); stochastic rounding is unbiased and lets it decay on average."""
+    (results/optim_quality.md); stochastic rounding is unbiased and lets it decay on average. It does not stop
+    single weights from moving several times fp32's largest move: both 4-bit moments cause that (the ablation
+    in results/optim_quality.md), and on GLUE it scored no better (results/glue-optimizers.md)."""
     n = param.numel()
     matrix = rank1_shape(tuple(param.shape))
     g = grad.detach().reshape(-1).float()

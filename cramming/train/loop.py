@@ -625,7 +625,7 @@ def finish(run: Run, reason: str) -> TrainResult:
         return TrainResult(
             run.run_dir, reason, run.progress, elapsed, None, None, run.elapsed_before, run.step.stats.skipped
         )
-    # the optimizer state measured from its tensors (this rank's shard under FSDP2), and the peak memory
+    # the optimizer state measured from its tensors (as their sizes report it under FSDP2), and the peak memory
     state = optimizer_state_report(run.optimizer)
     write_metrics(run, {
         "update": run.progress.updates,
