@@ -8,6 +8,8 @@ write the scores (JSON and a markdown table) into the run folder.
 from __future__ import annotations
 
 import logging
+import signal
+import sys
 from pathlib import Path
 
 import hydra
@@ -19,6 +21,7 @@ from cramming.config import register_configs, validate
 from cramming.errors import ConfigError, DataSourceError
 from cramming.eval.backbone import Backbone
 from cramming.eval.config import EvalRunConfig
+from cramming.eval.finetune import EvaluationStopped
 from cramming.eval.run import checkpoint_backbone, run_glue
 from cramming.model import KernelUnavailableError
 from cramming.model.checkpoint import resolve_checkpoint
@@ -64,6 +67,9 @@ def evaluate(cfg: DictConfig, card: RunCard) -> float | None:
         report = run_glue(config, backbone, Path(hydra.runtime.output_dir), sweep_job=sweep_job)
     except (ConfigError, DataSourceError, KernelUnavailableError) as err:  # e.g. a named task without data
         raise JobFailed(err, exit_code=2) from err
+    except EvaluationStopped as stopped:  # the finished runs are kept in the run folder
+        log.info("interrupted; continue with: python eval.py name=%s resume=true ...", config.name)
+        sys.exit(128 + signal.Signals[stopped.signal_name])
     card.record_glue(checkpoint, report)
     return report["glue_average"]
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 from dataclasses import replace
 from pathlib import Path
 
@@ -10,11 +12,12 @@ import numpy as np
 import pytest
 import torch
 
+from cramming.cluster import SUBMITIT_ENV
 from cramming.data.config import NormalizerConfig, TokenizerConfig
 from cramming.data.tokenizer import SpecialTokens, build_normalizer, train_tokenizer
 from cramming.errors import ConfigError, DataSourceError
 from cramming.eval.config import EvalConfig, EvalRunConfig
-from cramming.eval.finetune import finetune
+from cramming.eval.finetune import EvaluationStopped, finetune
 from cramming.eval.glue_data import load_local
 from cramming.eval.run import RESULTS_JSON, RESULTS_TABLE, RUNS_JSON, checkpoint_backbone, recipe_of, run_glue
 from cramming.eval.tasks import GLUE_TASKS
@@ -338,6 +341,45 @@ def test_an_interrupted_evaluation_keeps_its_finished_runs_and_resume_takes_them
     assert set(report["scores"]) == {"RTE", "STS-B"}
     assert len(json.loads((second / RUNS_JSON).read_text())["runs"]) == 2  # a later resume finds both
     assert "Reused (resume=true): 1 of 2 runs" in (second / RESULTS_TABLE).read_text()
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGUSR2])
+def test_a_stop_signal_ends_fine_tuning_after_an_update_and_keeps_the_finished_runs(
+    sst2, tmp_path, glue_dir, monkeypatch, signum
+):
+    """The signal is noted, acted on after the next update (not wherever it lands: a finalizer would swallow
+    the exit), the run under way is dropped, the finished ones stay on disk, and the handlers are restored."""
+    import cramming.eval.finetune as finetuning
+
+    _, checkpoint = sst2
+    real, started, updates = finetuning.finetune, [], []
+
+    def signalled_in_the_second_run(task, *args, **kwargs):
+        started.append((task.name, args[4]))  # (task, seed)
+        if len(started) == 2:
+            os.kill(os.getpid(), signum)  # lands before the run's first update
+        result = real(task, *args, **kwargs)
+        updates.append(result.steps)
+        return result
+
+    monkeypatch.setattr(finetuning, "finetune", signalled_in_the_second_run)
+    monkeypatch.delenv(SUBMITIT_ENV, raising=False)  # a plain run: nothing to hand the signal back to
+    cfg = EvalRunConfig(
+        eval=small_eval(glue_dir, tasks=["RTE"], seeds=[0, 1, 2]),
+        impl=ImplConfig(device="cpu"),
+        checkpoint=str(checkpoint),
+        base_dir=str(tmp_path),
+        name="glue-s",
+    )
+    previous = signal.getsignal(signum)
+    with pytest.raises(EvaluationStopped) as stopped:
+        run_glue(cfg, checkpoint_backbone(checkpoint, cfg.impl), tmp_path / "run")
+    assert stopped.value.signal_name == signal.Signals(signum).name
+    assert signal.getsignal(signum) is previous
+    assert len(started) == 2 and len(updates) == 1  # the second run raised during its first epoch
+    kept = json.loads((tmp_path / "run" / RUNS_JSON).read_text())["runs"]
+    assert [(run["task"], run["seed"]) for run in kept] == [started[0]]
+    assert not (tmp_path / "run" / RESULTS_JSON).exists()
 
 
 def test_resume_refuses_another_recipe_and_reruns_what_the_budget_cut_short(

@@ -35,10 +35,21 @@ from cramming.optim import build_optimizer
 from cramming.optim.config import OptimConfig
 from cramming.optim.report import optimizer_state_report
 from cramming.train.schedules import LR_SCHEDULES, step_progress
+from cramming.train.signals import StopSignals
 from cramming.train.step import TrainStep
 from cramming.utils import peak_memory_bytes, seed_everything
 
 log = logging.getLogger("cramming")
+
+
+class EvaluationStopped(Exception):
+    """A stop signal (SIGINT, SIGTERM, SIGUSR2: cramming.train.signals) ended the fine-tuning after an update.
+
+    The runs finished before it are on disk (run_glue's glue_runs.json); the one under way is dropped."""
+
+    def __init__(self, signal_name: str):
+        super().__init__(f"{signal_name} received: fine-tuning stopped")
+        self.signal_name = signal_name
 
 
 @dataclass
@@ -121,8 +132,11 @@ def finetune(
     impl: ImplConfig,
     seed: int,
     clock: BudgetClock | None = None,
+    stop: StopSignals | None = None,
 ) -> TaskResult:
-    """Fine-tune a fresh copy of `backbone` on `task` and evaluate every evaluation split."""
+    """Fine-tune a fresh copy of `backbone` on `task` and evaluate every evaluation split.
+
+    Raises EvaluationStopped after the update during which `stop` noted a stop signal (the run is dropped)."""
     start = time.perf_counter()
     device = impl.torch_device()
     if device.type == "cuda":
@@ -153,7 +167,7 @@ def finetune(
         loss_value, mean_loss, stopped = train_epoch(
             model, step, train, epoch_order(train, batch_size, rng, cfg.group_by_length), batch_size,
             backbone.pad_id, task.is_regression,
-            lambda updates: schedule.factor(step_progress(updates, total), cfg.warmup), clock,
+            lambda updates: schedule.factor(step_progress(updates, total), cfg.warmup), clock, stop,
         )  # fmt: skip
         epoch_seconds = time.perf_counter() - epoch_start
         train_seconds += epoch_seconds
@@ -221,8 +235,10 @@ def train_epoch(
     regression: bool,
     lr_factor: Callable[[int], float],
     clock: BudgetClock | None,
+    stop: StopSignals | None = None,
 ) -> tuple[float, float, bool]:
-    """One pass over `train` in `order`: (last loss, mean loss, stopped by the clock)."""
+    """One pass over `train` in `order`: (last loss, mean loss, stopped by the clock). Raises
+    EvaluationStopped after an update during which `stop` noted a signal."""
     device = next(model.parameters()).device
     loss_value, loss_sum, seen = float("nan"), 0.0, 0
     for first in range(0, len(order), batch_size):
@@ -236,6 +252,8 @@ def train_epoch(
         loss_value = loss.item()
         loss_sum += loss_value * len(batch["labels"])
         seen += len(batch["labels"])
+        if stop is not None and stop.received:
+            raise EvaluationStopped(stop.received)
         if clock is not None and clock.expired():
             return loss_value, loss_sum / max(1, seen), True
     return loss_value, loss_sum / max(1, seen), False
@@ -264,12 +282,14 @@ def finetune_tasks(
     clock: BudgetClock | None = None,
     done: Mapping[tuple[str, int], dict] | None = None,
     on_run: Callable[[dict], None] | None = None,
+    stop: StopSignals | None = None,
 ) -> GlueRuns:
     """Fine-tune `backbone` on each task with each seed, until `clock` (if any) runs out.
 
     A (task, seed) found in `done` (the records of an earlier evaluation: resume=true) is taken from there
     instead of fine-tuned again. `on_run` gets every record as soon as it is there, so that an evaluation
-    cut short keeps what it finished.
+    cut short keeps what it finished. A stop signal noted by `stop` ends it with EvaluationStopped after the
+    current update: the runs finished before it have gone to `on_run`, the one under way is dropped.
     """
     out = GlueRuns()
     for task, splits in jobs:
@@ -279,7 +299,9 @@ def finetune_tasks(
         for seed in seeds:
             record = (done or {}).get((task.name, seed))
             if record is None:
-                result = finetune(task, splits, backbone, cfg, impl, seed, clock)
+                if stop is not None and stop.received:
+                    raise EvaluationStopped(stop.received)
+                result = finetune(task, splits, backbone, cfg, impl, seed, clock, stop)
                 record = {"task": task.name, "seed": seed} | asdict(result)
             for entry, metrics in record["metrics"].items():
                 out.per_entry.setdefault(entry, []).append(metrics)

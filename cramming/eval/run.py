@@ -10,15 +10,17 @@ from dataclasses import asdict
 from pathlib import Path
 
 from cramming.budget import BudgetClock
+from cramming.cluster import hand_back_to_launcher
 from cramming.errors import ConfigError, DataSourceError
 from cramming.eval.backbone import Backbone
 from cramming.eval.config import EvalRunConfig
-from cramming.eval.finetune import finetune_tasks
+from cramming.eval.finetune import EvaluationStopped, finetune_tasks
 from cramming.eval.glue_data import TaskDataMissing, load_task
 from cramming.eval.scores import glue_average, markdown_table, summarize
 from cramming.eval.tasks import GLUE_TASKS
 from cramming.impl import ImplConfig
 from cramming.model.checkpoint import load_pretrained
+from cramming.train.signals import catch_stop_signals
 from cramming.utils import atomic_write_text, flatten, newest_run_dir
 
 log = logging.getLogger("cramming")
@@ -190,7 +192,27 @@ def run_glue(
             run_dir / RUNS_JSON, json.dumps({"recipe": recipe, "runs": finished}, indent=1) + "\n"
         )
 
-    glue = finetune_tasks(jobs, backbone, cfg.eval, cfg.impl, seeds, budget, done=done, on_run=keep)
+    # a stop signal is only noted while the runs go (cramming.train.signals) and acted on after an update,
+    # never inside whatever code it lands in; submitit's handler is back in place before the job is handed
+    # back for a requeue (SIGUSR2 in a cluster job), and a plain run exits 128 + the signal (eval.py)
+    with catch_stop_signals() as signals:
+        try:
+            glue = finetune_tasks(
+                jobs, backbone, cfg.eval, cfg.impl, seeds, budget, done=done, on_run=keep, stop=signals
+            )
+        except EvaluationStopped as stopped:
+            interrupted = stopped
+        else:
+            interrupted = None
+    if interrupted is not None:
+        log.warning(
+            "%s: %d finished (task, seed) runs are kept in %s",
+            interrupted,
+            len(finished),
+            run_dir / RUNS_JSON,
+        )
+        hand_back_to_launcher(interrupted.signal_name)  # a cluster job: requeued, takes up its finished runs
+        raise interrupted
     scores = summarize(glue.per_entry)
     average, used = glue_average(scores)
     table = markdown_table(scores, skipped, glue.not_run) if scores else "No task could be evaluated.\n"
