@@ -195,7 +195,7 @@ def run_glue(
     # a stop signal is only noted while the runs go (cramming.train.signals) and acted on after an update,
     # never inside whatever code it lands in; submitit's handler is back in place before the job is handed
     # back for a requeue (SIGUSR2 in a cluster job), and a plain run exits 128 + the signal (eval.py)
-    with catch_stop_signals() as signals:
+    with catch_stop_signals("stopping after this update; the finished runs are kept") as signals:
         try:
             glue = finetune_tasks(
                 jobs, backbone, cfg.eval, cfg.impl, seeds, budget, done=done, on_run=keep, stop=signals

@@ -19,23 +19,25 @@ STOP_SIGNALS = ("SIGINT", "SIGTERM", "SIGUSR2")
 
 
 class StopSignals:
-    """Records a stop signal so the loop can save a resumable state and stop after the current micro-batch."""
+    """Records a stop signal so the loop can save a resumable state and stop after the current micro-batch
+    (GLUE fine-tuning: after the current update, keeping the finished runs)."""
 
     received: str | None = None
+
+    def __init__(self, stopping: str = "saving a resumable state after this micro-batch"):
+        self.stopping = stopping  # what the loop does now, for the log
 
     def handle(self, signum, frame) -> None:
         name = signal.Signals(signum).name
         if self.received == "SIGINT" and name == "SIGINT":
             raise KeyboardInterrupt  # a second Ctrl-C: stop now, without saving
-        log.warning(
-            "%s received: saving a resumable state after this micro-batch (Ctrl-C again to abort)", name
-        )
+        log.warning("%s received: %s (Ctrl-C again to abort)", name, self.stopping)
         self.received = name
 
 
 @contextlib.contextmanager
-def catch_stop_signals() -> Iterator[StopSignals]:
-    signals = StopSignals()
+def catch_stop_signals(stopping: str | None = None) -> Iterator[StopSignals]:
+    signals = StopSignals() if stopping is None else StopSignals(stopping)
     if threading.current_thread() is not threading.main_thread():  # handlers can only be set from there
         yield signals
         return
