@@ -36,7 +36,7 @@ def anytime(tmp_path, glue_dir, monkeypatch):
     seen = []
     models = []
 
-    def fake_finetune(task, splits, backbone, cfg, impl, seed, budget=None):
+    def fake_finetune(task, splits, backbone, cfg, impl, seed, budget=None, stop=None):
         # the current weights, in memory: a copy, with the arch's fine-tuning dropout
         assert isinstance(backbone.encoder, Encoder) and backbone.dropout == TINY.dropout
         assert not any(

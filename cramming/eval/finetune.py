@@ -301,7 +301,7 @@ def finetune_tasks(
             if record is None:
                 if stop is not None and stop.received:
                     raise EvaluationStopped(stop.received)
-                result = finetune(task, splits, backbone, cfg, impl, seed, clock, stop)
+                result = finetune(task, splits, backbone, cfg, impl, seed, clock, stop=stop)
                 record = {"task": task.name, "seed": seed} | asdict(result)
             for entry, metrics in record["metrics"].items():
                 out.per_entry.setdefault(entry, []).append(metrics)
