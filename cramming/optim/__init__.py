@@ -139,6 +139,7 @@ def _lean_adamw(
         min_8bit_size=cfg.min_8bit_size,
         second_moment_map=cfg.second_moment_map,
         first_moment_rounding=cfg.first_moment_rounding,
+        first_moment_format=cfg.first_moment_format,
         kernel=kernel,
         layerwise=layerwise,
         max_grad_norm=max_grad_norm if layerwise else None,

@@ -7,9 +7,10 @@ Triton cannot launch); the 4-bit update is PyTorch only. A GaLore group's low-ra
 update, applied to a zero buffer, to get the normalized low-rank step that is then projected back.
 
 Each quantized state records its second-moment format (`v_map`, a string, so `torch.load(weights_only=True)`
-reads it). A state saved before that entry existed is 8-bit with the `dynamic` map; `load_state_dict`
-re-encodes an 8-bit second moment into this optimizer's map, and refuses 8-bit state for a 4-bit optimizer
-(and the reverse) with a message naming the optimizer to resume with.
+reads it), and a 4-bit one its first-moment format (`m_format`). A state saved before those entries existed
+is 8-bit with the `dynamic` map, or 4-bit in the `block` format; `load_state_dict` re-encodes an 8-bit second
+moment into this optimizer's map and a 4-bit first moment into its format, and refuses 8-bit state for a
+4-bit optimizer (and the reverse) with a message naming the optimizer to resume with.
 """
 
 from __future__ import annotations
@@ -30,18 +31,28 @@ from cramming.optim.lowbit import (
     QuantizedMoments,
     adamw4bit_update_torch,
     adamw8bit_update_torch,
+    convert_first_moment_4bit,
     convert_second_moment,
+    saved_first_moment_format,
     saved_format,
     specs_4bit,
     specs_8bit,
 )
-from cramming.optim.quant import ROUNDINGS, SECOND_MOMENT_MAPS, QuantMap, first_moment_map, second_moment_map
+from cramming.optim.quant import (
+    FIRST_MOMENT_FORMATS,
+    ROUNDINGS,
+    SECOND_MOMENT_MAPS,
+    QuantMap,
+    first_moment_map,
+    second_moment_map,
+)
 
 log = logging.getLogger(__name__)
 
 KERNELS = ("auto", "torch", "triton")
 MIN_8BIT_SIZE = 4096  # smaller tensors keep 32-bit moments (their state is negligible, their steps noisy)
 DEFAULT_SECOND_MOMENT_MAP = "sqrt"  # measured best on wide-ranged blocks: results/optim_quality.md
+DEFAULT_FIRST_MOMENT_FORMAT = "block"
 
 
 class AdamW(LeanOptimizer):
@@ -52,6 +63,9 @@ class AdamW(LeanOptimizer):
         4-bit state has its own format (cramming.optim.lowbit.specs_4bit).
     first_moment_rounding: how 4-bit first moments are re-quantized, "nearest" or "stochastic" (unbiased;
         round-to-nearest lets a 16-code moment stick, see cramming.optim.lowbit.adamw4bit_update_torch).
+    first_moment_format: what a 4-bit first moment is divided by before it is coded, a FIRST_MOMENT_FORMATS
+        name: "block" (nothing, Li et al.) or "normalized" (sqrt of its own stored second moment; see
+        cramming.optim.quant). A state saved in the other format is converted when loaded.
     kernel: "auto" fuses 8-bit updates of CUDA tensors in Triton when `triton_status` says a kernel can
         launch there, and uses PyTorch otherwise; "torch" always PyTorch; "triton" always the kernel (on CPU
         only in the Triton interpreter, for tests).
@@ -69,6 +83,7 @@ class AdamW(LeanOptimizer):
         min_8bit_size: int = MIN_8BIT_SIZE,
         second_moment_map: str = DEFAULT_SECOND_MOMENT_MAP,
         first_moment_rounding: str = "nearest",
+        first_moment_format: str = DEFAULT_FIRST_MOMENT_FORMAT,
         kernel: str = "auto",
         layerwise: bool = False,
         max_grad_norm: float | None = None,
@@ -78,6 +93,10 @@ class AdamW(LeanOptimizer):
         if first_moment_rounding not in ROUNDINGS:
             raise ValueError(
                 f"first_moment_rounding must be one of {ROUNDINGS}, got {first_moment_rounding!r}"
+            )
+        if first_moment_format not in FIRST_MOMENT_FORMATS:
+            raise ValueError(
+                f"first_moment_format must be one of {FIRST_MOMENT_FORMATS}, got {first_moment_format!r}"
             )
         if kernel not in KERNELS:
             raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
@@ -97,6 +116,7 @@ class AdamW(LeanOptimizer):
         self.kernel = kernel
         self.second_moment_map = second_moment_map
         self.first_moment_rounding = first_moment_rounding
+        self.first_moment_format = first_moment_format
         self._maps: dict[torch.device, tuple[QuantMap, QuantMap, Maps4bit]] = {}
         self._triton_ok: dict[str, bool] = {}
 
@@ -115,7 +135,9 @@ class AdamW(LeanOptimizer):
 
     def _state_tags(self, shape: tuple[int, ...], group: dict) -> dict:
         bits = self._bits(math.prod(shape), group)
-        return {"v_map": {8: self.second_moment_map, 4: RANK1_DYNAMIC4}[bits]} if bits < 32 else {}
+        if bits == 4:
+            return {"v_map": RANK1_DYNAMIC4, "m_format": self.first_moment_format}
+        return {"v_map": self.second_moment_map} if bits == 8 else {}
 
     # --- quantized ------------------------------------------------------------------------------------
 
@@ -150,7 +172,8 @@ class AdamW(LeanOptimizer):
         m_map, v_map, maps4 = self._quant_maps(param.device)
         if state["v_map"] == RANK1_DYNAMIC4:
             stochastic = state["step"] if self.first_moment_rounding == "stochastic" else None
-            adamw4bit_update_torch(param, grad, state, maps4, s, stochastic_step=stochastic)
+            normalized = saved_first_moment_format(state) == "normalized"
+            adamw4bit_update_torch(param, grad, state, maps4, s, stochastic, normalized)
             return
         sqrt_v = SECOND_MOMENT_MAPS[self.second_moment_map].sqrt
         if self._use_triton(param):
@@ -205,7 +228,8 @@ class AdamW(LeanOptimizer):
 
     def load_state_dict(self, state_dict: dict) -> None:
         """As LeanOptimizer's, then bring each quantized state to this optimizer's format: an 8-bit second
-        moment saved with another map (or before maps were recorded: `dynamic`) is re-encoded; a 4-bit
+        moment saved with another map (or before maps were recorded: `dynamic`) is re-encoded, and so is a
+        4-bit first moment saved in another format (or before formats were recorded: `block`); a 4-bit
         state for an 8-bit optimizer, or the reverse, is refused."""
         # the precision is this optimizer's (the saved groups would bring theirs back with them)
         precision = [{k: g[k] for k in ("optim_bits", "min_8bit_size")} for g in self.param_groups]
@@ -233,6 +257,12 @@ class AdamW(LeanOptimizer):
                         state["m_codes"], state["m_absmax"], state["v_codes"], state["v_absmax"]
                     )
                     convert_second_moment(moments, saved, wanted)
+                else:
+                    shape = self.moment_shape(param, group)
+                    maps4 = self._quant_maps(state["m_codes"].device)[2]
+                    saved_m = saved_first_moment_format(state)
+                    convert_first_moment_4bit(state, shape, maps4, saved_m, self.first_moment_format)
+                    state["m_format"] = self.first_moment_format
                 state["v_map"] = wanted
 
     @staticmethod

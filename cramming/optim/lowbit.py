@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from cramming.optim.quant import (
+    LEGACY_FIRST_MOMENT_FORMAT,
     LEGACY_SECOND_MOMENT_MAP,
     QBLOCK,
     QBLOCK_4BIT,
@@ -285,6 +286,60 @@ def specs_4bit(shape: tuple[int, ...]) -> dict[str, tuple[tuple[int, ...], torch
     return specs
 
 
+def _decode_v4(state: dict, n: int, matrix: tuple[int, int] | None, maps: Maps4bit) -> torch.Tensor:
+    """The 4-bit second moment of `state` as fp32 (n,): rank-1 scales for a matrix, blocks of 128 else."""
+    codes = unpack_nibbles(state["v_codes"], n)
+    if matrix is None:
+        return dequantize_blocks(codes, state["v_absmax"], maps.v, QBLOCK_4BIT).view(-1)[:n].clone()
+    return dequantize_rank1(codes.view(matrix), state["v_row"], state["v_col"], maps.v).view(-1)
+
+
+def _encode_v4(v: torch.Tensor, state: dict, matrix: tuple[int, int] | None, maps: Maps4bit) -> None:
+    """Store fp32 v (n,) into `state` in the format _decode_v4 reads."""
+    if matrix is None:
+        codes, absmax = quantize_blocks(as_blocks(v, QBLOCK_4BIT), maps.v)
+        state["v_absmax"].copy_(absmax)
+    else:
+        codes, row, col = quantize_rank1(v.view(matrix), maps.v)
+        state["v_row"].copy_(row)
+        state["v_col"].copy_(col)
+    state["v_codes"].copy_(pack_nibbles(codes.reshape(-1)[: v.numel()]))
+
+
+def _divisor(v: torch.Tensor) -> torch.Tensor:
+    """sqrt(v) where v > 0, else 1: the `normalized` first moment's divisor (v is 0 only where every
+    gradient so far was 0, and m with it)."""
+    root = v.sqrt()
+    return torch.where(root > 0, root, torch.ones_like(root))
+
+
+def _decode_m4(state: dict, n: int, maps: Maps4bit, v: torch.Tensor, normalized: bool) -> torch.Tensor:
+    """The 4-bit first moment as fp32 (n,); `normalized` codes hold m / sqrt(v) for the stored v given."""
+    m = dequantize_blocks(unpack_nibbles(state["m_codes"], n), state["m_absmax"], maps.m, QBLOCK_4BIT)
+    m = m.view(-1)[:n].clone()
+    return m.mul_(_divisor(v)) if normalized else m
+
+
+def _encode_m4(
+    m: torch.Tensor,
+    state: dict,
+    maps: Maps4bit,
+    v: torch.Tensor,
+    normalized: bool,
+    stochastic_step: int | None,
+) -> None:
+    """Store fp32 m (n,) into `state`, divided by sqrt(v) first when `normalized` (v: the stored v, decoded)."""
+    if normalized:
+        m = m / _divisor(v)
+    blocks = as_blocks(m, QBLOCK_4BIT)
+    if stochastic_step is None:
+        codes, absmax = quantize_blocks(blocks, maps.m)
+    else:
+        codes, absmax = quantize_blocks_stochastic(blocks, maps.m, stochastic_step)
+    state["m_codes"].copy_(pack_nibbles(codes.view(-1)[: m.numel()]))
+    state["m_absmax"].copy_(absmax)
+
+
 def adamw4bit_update_torch(
     param: torch.Tensor,
     grad: torch.Tensor,
@@ -292,6 +347,7 @@ def adamw4bit_update_torch(
     maps: Maps4bit,
     s: AdamScalars,
     stochastic_step: int | None = None,
+    normalized: bool = False,
 ) -> None:
     """One AdamW step with 4-bit moments (the tensors of specs_4bit in `state`), in place.
 
@@ -300,37 +356,43 @@ def adamw4bit_update_torch(
     moment whose gradients average out keeps its value and its weight keeps moving one way
     (results/optim_quality.md); stochastic rounding is unbiased and lets it decay on average. It does not stop
     single weights from moving several times fp32's largest move: both 4-bit moments cause that (the ablation
-    in results/optim_quality.md), and on GLUE it scored no better (results/glue-optimizers.md)."""
+    in results/optim_quality.md), and on GLUE it scored no better (results/glue-optimizers.md).
+
+    normalized: the first moment is stored as m / sqrt(v), v as stored after this step (the `normalized`
+    format of FIRST_MOMENT_FORMATS), and read back as codes times sqrt of the stored v of the step before.
+    The v codes are therefore written first and decoded again for the division."""
     n = param.numel()
     matrix = rank1_shape(tuple(param.shape))
     g = grad.detach().reshape(-1).float()
     p, aliased = _fp32_work(param, None)
-    m = dequantize_blocks(unpack_nibbles(state["m_codes"], n), state["m_absmax"], maps.m, QBLOCK_4BIT)
-    m = m.view(-1)[:n].clone()
-    v_codes = unpack_nibbles(state["v_codes"], n)
-    if matrix is None:
-        v = dequantize_blocks(v_codes, state["v_absmax"], maps.v, QBLOCK_4BIT).view(-1)[:n].clone()
-    else:
-        v = dequantize_rank1(v_codes.view(matrix), state["v_row"], state["v_col"], maps.v).view(-1)
+    v = _decode_v4(state, n, matrix, maps)
+    m = _decode_m4(state, n, maps, v, normalized)
     _adamw_step(p, g, m, v, s)
     if not aliased:
         param.detach().copy_(p.view(param.shape))
-    if stochastic_step is None:
-        m_codes, m_absmax = quantize_blocks(as_blocks(m, QBLOCK_4BIT), maps.m)
-    else:
-        m_codes, m_absmax = quantize_blocks_stochastic(as_blocks(m, QBLOCK_4BIT), maps.m, stochastic_step)
-    state["m_codes"].copy_(pack_nibbles(m_codes.view(-1)[:n]))
-    state["m_absmax"].copy_(m_absmax)
-    if matrix is None:
-        v_codes, v_absmax = quantize_blocks(as_blocks(v, QBLOCK_4BIT), maps.v)
-        state["v_absmax"].copy_(v_absmax)
-    else:
-        v_codes, row, col = quantize_rank1(v.view(matrix), maps.v)
-        state["v_row"].copy_(row)
-        state["v_col"].copy_(col)
-    state["v_codes"].copy_(pack_nibbles(v_codes.reshape(-1)[:n]))
+    _encode_v4(v, state, matrix, maps)
+    stored_v = _decode_v4(state, n, matrix, maps) if normalized else v
+    _encode_m4(m, state, maps, stored_v, normalized, stochastic_step)
+
+
+def convert_first_moment_4bit(
+    state: dict, shape: tuple[int, ...], maps: Maps4bit, saved: str, wanted: str
+) -> None:
+    """Re-encode a 4-bit state's first moment from the format `saved` to `wanted` (FIRST_MOMENT_FORMATS),
+    in place; the second moment is unchanged. Rounds to nearest (a conversion is no step)."""
+    if saved == wanted:
+        return
+    n = math.prod(shape)
+    v = _decode_v4(state, n, rank1_shape(shape), maps)
+    m = _decode_m4(state, n, maps, v, saved == "normalized")
+    _encode_m4(m, state, maps, v, wanted == "normalized", None)
 
 
 def saved_format(state: dict) -> str:
     """The `v_map` of a quantized state; a state saved before it was recorded is 8-bit `dynamic`."""
     return state.get("v_map", LEGACY_SECOND_MOMENT_MAP)
+
+
+def saved_first_moment_format(state: dict) -> str:
+    """The `m_format` of a 4-bit state; a state saved before it was recorded is `block`."""
+    return state.get("m_format", LEGACY_FIRST_MOMENT_FORMAT)

@@ -156,6 +156,18 @@ def hashed_uniform(
 # how low-bit moments are re-quantized: to the nearest code, or stochastically (QuantMap.stochastic)
 ROUNDINGS = ("nearest", "stochastic")
 
+# what a 4-bit first moment is divided by before its blocks of 128 are scaled and coded:
+#   block       nothing: m itself in blocks (Li et al.). A block shares one absmax with elements whose
+#               gradients are 1,000x larger, so a small m becomes 0 or the smallest code (5.5e-3 of the
+#               absmax), and its step m/sqrt(v) comes out several times fp32's (results/optim_quality.md)
+#   normalized  sqrt(v) of the same element as stored (the decoded 4-bit second moment): the block holds
+#               m/sqrt(v), the element's own step before bias correction, whose size does not follow the
+#               gradient's scale (|m|/sqrt(v) <= (1-b1)/sqrt((1-b2)(1-b1^2/b2)), 7.3 at betas 0.9, 0.999),
+#               so the block's shared scale fits every element; m is that times sqrt(v) again when read
+FIRST_MOMENT_FORMATS = ("block", "normalized")
+# what a 4-bit state saved before the format was selectable (no `m_format` entry) holds
+LEGACY_FIRST_MOMENT_FORMAT = "block"
+
 
 # --- second-moment maps of the 8-bit optimizers ------------------------------------------------------
 
