@@ -281,6 +281,18 @@ DRIFT_ROWS = [
         {"first_moment_rounding": "stochastic"},
         "adamw",
     ),
+    (
+        "ours adamw_4bit, normalized first moment",
+        "adamw_4bit",
+        {"first_moment_format": "normalized"},
+        "adamw",
+    ),
+    (
+        "ours adamw_4bit, normalized and stochastic first moment",
+        "adamw_4bit",
+        {"first_moment_format": "normalized", "first_moment_rounding": "stochastic"},
+        "adamw",
+    ),
     ("galore_adamw_8bit r16, sqrt (default)", "galore_adamw_8bit", {"second_moment_map": "sqrt"}, "galore"),
     ("galore_adamw_8bit r16, nonzero", "galore_adamw_8bit", {"second_moment_map": "nonzero"}, "galore"),
     ("galore_adamw_8bit r16, dynamic", "galore_adamw_8bit", {"second_moment_map": "dynamic"}, "galore"),
@@ -291,13 +303,20 @@ DRIFT_ROWS = [
         {"first_moment_rounding": "stochastic"},
         "galore",
     ),
+    (
+        "galore_adamw_4bit r16, normalized first moment",
+        "galore_adamw_4bit",
+        {"first_moment_format": "normalized"},
+        "galore",
+    ),
 ]
 
 
 def adam_with_4bit_moments(first: str | None, second: bool) -> torch.Tensor:
     """W_200 - W_0 of fp32 Adam on the wide-gradient trajectory, with the first moment ("nearest",
-    "stochastic" or None: fp32) and / or the second moment (rank-1 4-bit format) round-tripped through
-    adamw_4bit's formats after every step: which 4-bit moment moves single weights away from fp32's."""
+    "stochastic", "normalized" or None: fp32) and / or the second moment (rank-1 4-bit format) round-tripped
+    through adamw_4bit's formats after every step: which 4-bit moment moves single weights away from fp32's.
+    "normalized" codes m / sqrt(v) (v as stored) to nearest, as first_moment_format=normalized does."""
     maps = Maps4bit.build()
     torch.manual_seed(1)
     start = nn.Linear(DRIFT_SHAPE[1], DRIFT_SHAPE[0], bias=False).weight.detach().clone()
@@ -307,19 +326,21 @@ def adam_with_4bit_moments(first: str | None, second: bool) -> torch.Tensor:
         m = beta1 * m + (1 - beta1) * grad
         v = beta2 * v + (1 - beta2) * grad * grad
         w -= lr / (1 - beta1**step) * m / (v.sqrt() / math.sqrt(1 - beta2**step) + eps)
+        if second:
+            v = dequantize_rank1(*quantize_rank1(v, maps.v), maps.v)
         if first is not None:
-            blocks = as_blocks(m.reshape(-1), QBLOCK_4BIT)
-            if first == "nearest":
-                codes, absmax = quantize_blocks(blocks, maps.m)
-            else:
+            root = v.sqrt().clamp_min(1e-30) if first == "normalized" else torch.ones(())
+            blocks = as_blocks((m / root).reshape(-1), QBLOCK_4BIT)
+            if first == "stochastic":
                 codes, absmax = quantize_blocks_stochastic(blocks, maps.m, step)
+            else:
+                codes, absmax = quantize_blocks(blocks, maps.m)
             m = (
                 dequantize_blocks(codes, absmax, maps.m, QBLOCK_4BIT)
                 .reshape(-1)[: m.numel()]
                 .view(DRIFT_SHAPE)
+                * root
             )
-        if second:
-            v = dequantize_rank1(*quantize_rank1(v, maps.v), maps.v)
     return w - start
 
 
@@ -329,8 +350,8 @@ def measure_4bit_ablation() -> list[str]:
         "| first moment | second moment | displacement vs fp32 | largest weight move vs fp32's largest |",
         "|---|---|---:|---:|",
     ]
-    for first, second in (("nearest", False), ("stochastic", False), (None, True), ("nearest", True),
-                          ("stochastic", True)):  # fmt: skip
+    for first, second in (("nearest", False), ("stochastic", False), ("normalized", False), (None, True),
+                          ("nearest", True), ("stochastic", True), ("normalized", True)):  # fmt: skip
         moved = adam_with_4bit_moments(first, second)
         lines.append(
             f"| {first or 'fp32'} | {'4-bit rank-1' if second else 'fp32'} | "
@@ -401,8 +422,8 @@ def quality_report(layers: int, command: str, note: str = "") -> str:
         + "\n".join(drift_lines)
         + "\n\n## Which 4-bit moment moves single weights\n\n"
         "fp32 Adam on the same trajectory, with one or both moments round-tripped through adamw_4bit's formats "
-        "after every step (first: signed 16-code map, blocks of 128, rounded to nearest or stochastically; "
-        "second: the rank-1 16-code format).\n\n"
+        "after every step (first: signed 16-code map, blocks of 128, rounded to nearest or stochastically, "
+        "or `normalized`: m / sqrt(v) of the stored v, to nearest; second: the rank-1 16-code format).\n\n"
         + "\n".join(ablation_lines)
         + "\n\n## Low-bit state memory on the crammed-BERT parameter set\n\n"
         f"{layers} layers, hidden 768, vocab 32768; tensors under 4096 elements keep 32-bit moments. Goal for "
