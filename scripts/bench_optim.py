@@ -93,6 +93,7 @@ VARIANTS = [
     Variant("ours adamw_8bit, embedding 32-bit", "adamw_8bit", {"embedding_32bit": True}),
     Variant("bitsandbytes AdamW8bit", "bitsandbytes"),
     Variant("ours adamw_4bit", "adamw_4bit"),
+    Variant("ours adamw_4bit, normalized first moment", "adamw_4bit", {"first_moment_format": "normalized"}),
     Variant("galore_adamw r128", "galore_adamw", {"rank": 128}),
     Variant("galore_adamw r4", "galore_adamw", {"rank": 4}),
     Variant("galore_adamw_8bit r128", "galore_adamw_8bit", {"rank": 128}),
