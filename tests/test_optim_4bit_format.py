@@ -151,3 +151,29 @@ def test_state_of_another_format_is_converted_on_load(saved_fmt, legacy, wanted)
     model.weight.grad = torch.randn(64, 256) * 1e-3
     opt.step()
     assert torch.isfinite(model.weight).all()
+
+
+def test_auto_format_normalizes_full_moments_and_keeps_blocks_for_galore():
+    """`auto`: a GaLore optimizer's projected (low-rank) moments keep the block format, where it is closer to
+    fp32 GaLore; its unprojected 4-bit tensors (here the embedding) are normalized, as in plain adamw_4bit."""
+
+    class Tiny(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embedding = nn.Embedding(128, 256)  # 4-bit moments, not projected
+            self.attn = nn.Linear(256, 512, bias=False)  # projected to rank 16: 16 x 512 4-bit moments
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return self.attn(self.embedding(ids))
+
+    model = Tiny()
+    cfg = OptimConfig(name="galore_adamw_4bit", rank=16, target_modules=["attn"], first_moment_format="auto")
+    opt = build_optimizer(model, cfg)
+    model(torch.randint(0, 128, (4, 16))).square().mean().backward()
+    opt.step()
+    assert opt.state[model.attn.weight]["m_format"] == "block"
+    assert opt.state[model.embedding.weight]["m_format"] == "normalized"
+    # and plain adamw_4bit under auto normalizes every 4-bit tensor
+    plain = build_optimizer(model, OptimConfig(name="adamw_4bit", first_moment_format="auto"))
+    plain.step()
+    assert {plain.state[p]["m_format"] for p in (model.attn.weight, model.embedding.weight)} == {"normalized"}

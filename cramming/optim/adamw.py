@@ -39,7 +39,7 @@ from cramming.optim.lowbit import (
     specs_8bit,
 )
 from cramming.optim.quant import (
-    FIRST_MOMENT_FORMATS,
+    FIRST_MOMENT_CHOICES,
     ROUNDINGS,
     SECOND_MOMENT_MAPS,
     QuantMap,
@@ -63,9 +63,10 @@ class AdamW(LeanOptimizer):
         4-bit state has its own format (cramming.optim.lowbit.specs_4bit).
     first_moment_rounding: how 4-bit first moments are re-quantized, "nearest" or "stochastic" (unbiased;
         round-to-nearest lets a 16-code moment stick, see cramming.optim.lowbit.adamw4bit_update_torch).
-    first_moment_format: what a 4-bit first moment is divided by before it is coded, a FIRST_MOMENT_FORMATS
-        name: "block" (nothing, Li et al.) or "normalized" (sqrt of its own stored second moment; see
-        cramming.optim.quant). A state saved in the other format is converted when loaded.
+    first_moment_format: what a 4-bit first moment is divided by before it is coded: "block" (nothing, Li et
+        al.), "normalized" (sqrt of its own stored second moment; see cramming.optim.quant), or "auto"
+        (normalized for unprojected tensors, block for GaLore's low-rank moments). A state saved in the
+        other format is converted when loaded.
     kernel: "auto" fuses 8-bit updates of CUDA tensors in Triton when `triton_status` says a kernel can
         launch there, and uses PyTorch otherwise; "torch" always PyTorch; "triton" always the kernel (on CPU
         only in the Triton interpreter, for tests).
@@ -94,9 +95,9 @@ class AdamW(LeanOptimizer):
             raise ValueError(
                 f"first_moment_rounding must be one of {ROUNDINGS}, got {first_moment_rounding!r}"
             )
-        if first_moment_format not in FIRST_MOMENT_FORMATS:
+        if first_moment_format not in FIRST_MOMENT_CHOICES:
             raise ValueError(
-                f"first_moment_format must be one of {FIRST_MOMENT_FORMATS}, got {first_moment_format!r}"
+                f"first_moment_format must be one of {FIRST_MOMENT_CHOICES}, got {first_moment_format!r}"
             )
         if kernel not in KERNELS:
             raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
@@ -136,8 +137,14 @@ class AdamW(LeanOptimizer):
     def _state_tags(self, shape: tuple[int, ...], group: dict) -> dict:
         bits = self._bits(math.prod(shape), group)
         if bits == 4:
-            return {"v_map": RANK1_DYNAMIC4, "m_format": self.first_moment_format}
+            return {"v_map": RANK1_DYNAMIC4, "m_format": self._first_moment_format(group)}
         return {"v_map": self.second_moment_map} if bits == 8 else {}
+
+    def _first_moment_format(self, group: dict) -> str:
+        """The 4-bit first-moment format of `group`'s tensors (`auto` resolved by whether GaLore projects them)."""
+        if self.first_moment_format != "auto":
+            return self.first_moment_format
+        return "block" if group["rank"] > 0 else "normalized"
 
     # --- quantized ------------------------------------------------------------------------------------
 
@@ -260,9 +267,9 @@ class AdamW(LeanOptimizer):
                 else:
                     shape = self.moment_shape(param, group)
                     maps4 = self._quant_maps(state["m_codes"].device)[2]
-                    saved_m = saved_first_moment_format(state)
-                    convert_first_moment_4bit(state, shape, maps4, saved_m, self.first_moment_format)
-                    state["m_format"] = self.first_moment_format
+                    wanted_m = self._first_moment_format(group)
+                    convert_first_moment_4bit(state, shape, maps4, saved_first_moment_format(state), wanted_m)
+                    state["m_format"] = wanted_m
                 state["v_map"] = wanted
 
     @staticmethod

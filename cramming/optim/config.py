@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass, field
 
 from cramming.errors import check_choice, config_error
-from cramming.optim.quant import FIRST_MOMENT_FORMATS, ROUNDINGS, SECOND_MOMENT_MAPS
+from cramming.optim.quant import FIRST_MOMENT_CHOICES, ROUNDINGS, SECOND_MOMENT_MAPS
 
 PROJ_TYPES = ("std", "reverse_std", "left", "right", "full")
 ALL_LINEAR = "all-linear"
@@ -59,9 +59,10 @@ class OptimConfig:
     # or stochastic (unbiased: with nearest a moment can stick at a code, as 0.9·c rounds back to c;
     # results/glue-optimizers.md measures both). 8-bit state always rounds to nearest
     first_moment_rounding: str = "nearest"
-    # what a 4-bit first moment is divided by before it is coded: block (nothing; Li et al.) or normalized
+    # what a 4-bit first moment is divided by before it is coded: block (nothing; Li et al.), normalized
     # (sqrt of the element's own stored second moment, so one small-gradient element no longer shares a
-    # scale with elements 1,000x larger; cramming/optim/quant.py, results/optim_quality.md)
+    # scale with elements 1,000x larger; cramming/optim/quant.py, results/optim_quality.md), or auto
+    # (normalized for unprojected tensors, block for GaLore's low-rank moments)
     first_moment_format: str = "block"
     # cramming (ours, every name) or bitsandbytes (bnb.optim.AdamW8bit, for adamw_8bit; needs bitsandbytes)
     backend: str = "cramming"
@@ -88,7 +89,7 @@ class OptimConfig:
         check_choice(f"{scope}.second_moment_map", self.second_moment_map, SECOND_MOMENT_MAPS)
         check_choice(f"{scope}.backend", self.backend, BACKENDS)
         check_choice(f"{scope}.first_moment_rounding", self.first_moment_rounding, ROUNDINGS)
-        check_choice(f"{scope}.first_moment_format", self.first_moment_format, FIRST_MOMENT_FORMATS)
+        check_choice(f"{scope}.first_moment_format", self.first_moment_format, FIRST_MOMENT_CHOICES)
         if self.min_8bit_size < 0:
             raise config_error(
                 f"{scope}.min_8bit_size", self.min_8bit_size, "use 0 or a positive element count"

@@ -165,6 +165,10 @@ ROUNDINGS = ("nearest", "stochastic")
 #               gradient's scale (|m|/sqrt(v) <= (1-b1)/sqrt((1-b2)(1-b1^2/b2)), 7.3 at betas 0.9, 0.999),
 #               so the block's shared scale fits every element; m is that times sqrt(v) again when read
 FIRST_MOMENT_FORMATS = ("block", "normalized")
+# the setting's choices: a format, or `auto`: normalized for full (unprojected) moments, block for GaLore's
+# low-rank ones, whose projected gradients mix the scales already (there block is closer to fp32 GaLore:
+# results/optim_quality.md)
+FIRST_MOMENT_CHOICES = ("auto", *FIRST_MOMENT_FORMATS)
 # what a 4-bit state saved before the format was selectable (no `m_format` entry) holds
 LEGACY_FIRST_MOMENT_FORMAT = "block"
 
