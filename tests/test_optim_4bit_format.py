@@ -7,7 +7,6 @@ and a resumed run is exact."""
 
 from __future__ import annotations
 
-import copy
 import io
 
 import pytest
@@ -18,22 +17,7 @@ from cramming.errors import ConfigError
 from cramming.optim import OptimConfig, build_optimizer
 from cramming.optim.lowbit import Maps4bit, _decode_m4, _decode_v4
 from cramming.optim.quant import rank1_shape
-from tests.test_optim_drift import HIGH, LOW, SETTINGS, SHAPE, wide_gradients
-
-
-def moved(name: str, **overrides) -> torch.Tensor:
-    """W_200 - W_0 on the wide-gradient trajectory."""
-    torch.manual_seed(1)
-    model = nn.Linear(SHAPE[1], SHAPE[0], bias=False)
-    start = model.weight.detach().clone()
-    if name == "torch_adamw":
-        opt = torch.optim.AdamW(model.parameters(), **{**SETTINGS, "betas": tuple(SETTINGS["betas"])})
-    else:
-        opt = build_optimizer(model, OptimConfig(name=name, **{**SETTINGS, **overrides}))
-    for grad in wide_gradients():
-        model.weight.grad = grad
-        opt.step()
-    return model.weight.detach() - start
+from tests.test_optim_drift import HIGH, LOW, SETTINGS, moved, train_4bit, wide_gradients
 
 
 @pytest.fixture(scope="module")
@@ -70,26 +54,10 @@ def test_format_is_validated_and_recorded():
         assert opt.state[model.weight]["m_format"] == fmt
 
 
-def _trained(fmt: str, steps: int, resume_at: int | None = None) -> torch.Tensor:
-    torch.manual_seed(0)
-    model = nn.Linear(256, 64, bias=False)
-    cfg = OptimConfig(name="adamw_4bit", first_moment_format=fmt, **SETTINGS)
-    opt = build_optimizer(model, cfg)
-    for step, grad in enumerate(wide_gradients(), 1):
-        if step > steps:
-            break
-        model.weight.grad = grad[:, :256]
-        opt.step()
-        if step == resume_at:  # a fresh optimizer from the saved state, as a resumed run builds it
-            saved = copy.deepcopy(opt.state_dict())
-            opt = build_optimizer(model, cfg)
-            opt.load_state_dict(saved)
-    return model.weight.detach()
-
-
 def test_normalized_state_resumes_exactly():
-    assert torch.equal(_trained("normalized", 12), _trained("normalized", 12, resume_at=6))
-    assert not torch.equal(_trained("normalized", 12), _trained("block", 12))
+    normalized = {"first_moment_format": "normalized"}
+    assert torch.equal(train_4bit(12, **normalized), train_4bit(12, resume_at=6, **normalized))
+    assert not torch.equal(train_4bit(12, **normalized), train_4bit(12, first_moment_format="block"))
 
 
 def _saved_state(fmt: str, legacy: bool) -> tuple[nn.Module, dict]:

@@ -40,8 +40,8 @@ def wide_gradients(seed: int = 0):
         yield scale * (mean + torch.randn(SHAPE, generator=gen))
 
 
-def displacement(name: str, **overrides) -> float:
-    """|W_200 - W_0| (Frobenius) after the wide-gradient trajectory with the optimizer `name`."""
+def moved(name: str, **overrides) -> torch.Tensor:
+    """W_200 - W_0 after the wide-gradient trajectory with the optimizer `name` (GaLore: rank 16, gap 50)."""
     torch.manual_seed(1)
     model = nn.Linear(SHAPE[1], SHAPE[0], bias=False)
     start = model.weight.detach().clone()
@@ -53,7 +53,12 @@ def displacement(name: str, **overrides) -> float:
     for grad in wide_gradients():
         model.weight.grad = grad
         opt.step()
-    return (model.weight.detach() - start).norm().item()
+    return model.weight.detach() - start
+
+
+def displacement(name: str, **overrides) -> float:
+    """|W_200 - W_0| (Frobenius) after the wide-gradient trajectory with the optimizer `name`."""
+    return moved(name, **overrides).norm().item()
 
 
 @pytest.fixture(scope="module")
@@ -265,25 +270,29 @@ def test_auto_kernel_falls_back_where_triton_cannot_launch(monkeypatch, caplog):
     assert "m_codes" in opt.state[model.weight]
 
 
+def train_4bit(steps: int, resume_at: int | None = None, **overrides) -> torch.Tensor:
+    """A 64x256 weight after `steps` wide-gradient steps of adamw_4bit with OptimConfig `overrides`; with
+    `resume_at`, a fresh optimizer loads the state saved after that step and goes on, as a resumed run does."""
+    torch.manual_seed(0)
+    model = nn.Linear(256, 64, bias=False)
+    cfg = OptimConfig(name="adamw_4bit", **SETTINGS, **overrides)
+    opt = build_optimizer(model, cfg)
+    for step, grad in enumerate(wide_gradients(), 1):
+        if step > steps:
+            break
+        model.weight.grad = grad[:, :256]
+        opt.step()
+        if step == resume_at:
+            saved = copy.deepcopy(opt.state_dict())
+            opt = build_optimizer(model, cfg)
+            opt.load_state_dict(saved)
+    return model.weight.detach()
+
+
 def test_first_moment_rounding_is_validated_and_stochastic_rounding_resumes_exactly():
     with pytest.raises(ConfigError, match="first_moment_rounding"):
         build_optimizer(nn.Linear(64, 64), OptimConfig(name="adamw_4bit", first_moment_rounding="up"))
-
-    def trained(steps: int, resume_at: int | None = None, rounding: str = "stochastic") -> torch.Tensor:
-        torch.manual_seed(0)
-        model = nn.Linear(256, 64, bias=False)
-        cfg = OptimConfig(name="adamw_4bit", first_moment_rounding=rounding, **SETTINGS)
-        opt = build_optimizer(model, cfg)
-        for step, grad in enumerate(wide_gradients(), 1):
-            if step > steps:
-                break
-            model.weight.grad = grad[:, :256]
-            opt.step()
-            if step == resume_at:  # a fresh optimizer from the saved state, as a resumed run builds it
-                saved = copy.deepcopy(opt.state_dict())
-                opt = build_optimizer(model, cfg)
-                opt.load_state_dict(saved)
-        return model.weight.detach()
-
-    assert torch.equal(trained(12), trained(12, resume_at=6))  # the rounding draws depend on the step only
-    assert not torch.equal(trained(12), trained(12, rounding="nearest"))
+    stochastic = {"first_moment_rounding": "stochastic"}
+    # the rounding draws depend on the step only
+    assert torch.equal(train_4bit(12, **stochastic), train_4bit(12, resume_at=6, **stochastic))
+    assert not torch.equal(train_4bit(12, **stochastic), train_4bit(12, first_moment_rounding="nearest"))
