@@ -43,16 +43,8 @@ import torch
 from torch import nn
 
 from cramming.optim import OptimConfig, build_optimizer, optimizer_state_report
-from cramming.optim.lowbit import Maps4bit
-from cramming.optim.quant import (
-    QBLOCK_4BIT,
-    as_blocks,
-    dequantize_blocks,
-    dequantize_rank1,
-    quantize_blocks,
-    quantize_blocks_stochastic,
-    quantize_rank1,
-)
+from cramming.optim.lowbit import Maps4bit, _decode_m4, _encode_m4
+from cramming.optim.quant import QBLOCK_4BIT, dequantize_rank1, num_blocks, packed_size, quantize_rank1
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -329,19 +321,13 @@ def adam_with_4bit_moments(first: str | None, second: bool) -> torch.Tensor:
         w -= lr / (1 - beta1**step) * m / (v.sqrt() / math.sqrt(1 - beta2**step) + eps)
         if second:
             v = dequantize_rank1(*quantize_rank1(v, maps.v), maps.v)
-        if first is not None:
-            root = v.sqrt().clamp_min(1e-30) if first == "normalized" else torch.ones(())
-            blocks = as_blocks((m / root).reshape(-1), QBLOCK_4BIT)
-            if first == "stochastic":
-                codes, absmax = quantize_blocks_stochastic(blocks, maps.m, step)
-            else:
-                codes, absmax = quantize_blocks(blocks, maps.m)
-            m = (
-                dequantize_blocks(codes, absmax, maps.m, QBLOCK_4BIT)
-                .reshape(-1)[: m.numel()]
-                .view(DRIFT_SHAPE)
-                * root
-            )
+        if first is not None:  # through the optimizer's own first-moment coding, on a scratch state
+            flat = m.reshape(-1)
+            state = {"m_codes": torch.zeros(packed_size(flat.numel()), dtype=torch.uint8),
+                     "m_absmax": torch.zeros(num_blocks(flat.numel(), QBLOCK_4BIT))}  # fmt: skip
+            normalized, stochastic = first == "normalized", step if first == "stochastic" else None
+            _encode_m4(flat, state, maps, v.reshape(-1), normalized, stochastic)
+            m = _decode_m4(state, flat.numel(), maps, v.reshape(-1), normalized).view(DRIFT_SHAPE)
     return w - start
 
 
