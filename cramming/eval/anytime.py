@@ -47,7 +47,8 @@ def _small_recipe() -> EvalConfig:
 
 @dataclass
 class AnytimeConfig:
-    """`train.anytime`: when to evaluate during pretraining, on what, and who pays for the time."""
+    """`anytime` (a top-level key of the pretraining config, beside `train`): when to evaluate during
+    pretraining, on what, and who pays for the time."""
 
     # fractions of the pretraining budget at which to evaluate, e.g. [0.25, 0.5, 1.0]; empty: never
     at: list[float] = field(default_factory=list)
