@@ -15,9 +15,12 @@ the next step divides by sqrt((1 - beta2)·g²) only, up to 1/sqrt(1 - beta2) = 
 a second-moment map without 0 (SECOND_MOMENT_MAPS); see tests/test_optim_drift.py and
 results/optim_quality.md for what it changes.
 
-4 bits (Li et al.): first moment on a signed dynamic map of 16 codes in blocks of 128; second moment on the
-zero-free linear map (k + 1)/16 with rank-1 normalisation: v[i, j] is scaled by min(max of row i, max of
-column j), which follows the row and column structure of a weight's second moment better than a block max.
+4 bits (after Li et al.; the maps are built in cramming.optim.lowbit.Maps4bit): first moment on a signed
+dynamic map of 16 codes in blocks of 128; second moment on the unsigned dynamic map without zero (16 codes,
+5.5e-4 .. 1: Li et al.'s "DE-0", not their linear map (k + 1)/16, which on wide-ranged blocks rounds every v
+below 1/32 of its scale up to 1/16), with rank-1 normalisation for tensors of two or more dims: v[i, j] is
+scaled by min(max of row i, max of column j), which follows the row and column structure of a weight's
+second moment better than a block max. A 1-D tensor's second moment is scaled in blocks of 128.
 """
 
 from __future__ import annotations
@@ -58,12 +61,6 @@ def dynamic_map(signed: bool, *, bits: int = 8, zero: bool = True) -> torch.Tens
     codes = torch.sort(codes).values.to(torch.float32)
     assert codes.numel() == 2**bits and bool((codes[1:] > codes[:-1]).all())
     return codes
-
-
-def linear_map(bits: int) -> torch.Tensor:
-    """(k + 1) / 2^bits for k = 0 .. 2^bits - 1: evenly spaced, smallest code 2^-bits (Li et al.'s map for
-    the 4-bit second moment, zero excluded)."""
-    return (torch.arange(1, 2**bits + 1, dtype=torch.float64) / 2**bits).to(torch.float32)
 
 
 _BIN_SHIFT = 15  # an fp32 value's bin: its top 17 bits (sign, exponent, 8 mantissa bits)
