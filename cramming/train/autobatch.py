@@ -162,6 +162,60 @@ def timed_steps(
     return steps, time.perf_counter() - start
 
 
+def stand_in_step(model: nn.Module, device: torch.device, dtype: torch.dtype) -> TrainStep:
+    """The loop's own forward/backward (autocast, loss scaling) around an optimizer that never steps: no
+    update is applied in the search (the real optimizer, with its hooks, is built after it)."""
+    return TrainStep(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.0),
+        device_type=device.type,
+        dtype=dtype,
+        grad_clip=None,
+    )
+
+
+def forward_backward(
+    model: nn.Module, masker: MLMMasker, step: TrainStep, rows: torch.Tensor, device: torch.device
+) -> None:
+    """Forward + backward of the MLM loss on `rows` (batch, seq), masked as in training; gradients add up."""
+    corrupted, labels = masker(rows, torch.arange(rows.shape[0]))
+    with step.autocast():
+        out = model(
+            corrupted.to(device),
+            labels.to(device),
+            predicted_per_row=masker.predicted_per_row(rows.shape[1]),
+        )
+    step.backward(out.loss)
+
+
+def timed_within_memory(
+    one_step: Callable[[], None],
+    model: nn.Module,
+    device: torch.device,
+    reserve_bytes: int,
+    timing: tuple[int, float, int],
+) -> tuple[int, float]:
+    """timed_steps(one_step, device, *timing) with the gradients cleared after; on CUDA raises TooLarge when
+    it runs out of memory or its peak leaves less than `reserve_bytes` of 90% of the device's memory."""
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    out_of_memory = False
+    try:
+        steps, seconds = timed_steps(one_step, device, *timing)
+    except torch.cuda.OutOfMemoryError:
+        out_of_memory = True  # raised below, once the failed step's tensors are released with its frames
+    finally:
+        model.zero_grad(set_to_none=True)
+    if out_of_memory:
+        torch.cuda.empty_cache()
+        raise TooLarge("out of memory")
+    if cuda:
+        check_peak_memory(device, reserve_bytes)
+    return steps, seconds
+
+
 def step_measure(
     model: nn.Module,
     masker: MLMMasker,
@@ -180,46 +234,19 @@ def step_measure(
     still to come) of 90% of the device's memory, raises TooLarge.
     """
     generator = torch.Generator().manual_seed(0)
-    cuda = device.type == "cuda"
-    # the loop's own forward/backward (autocast, loss scaling); no update is applied, so the optimizer here is
-    # a stand-in that never steps (the real one, with its hooks, is built after the search)
-    step = TrainStep(
-        model,
-        torch.optim.SGD(model.parameters(), lr=0.0),
-        device_type=device.type,
-        dtype=dtype,
-        grad_clip=None,
-    )
-
-    def one_step(rows: torch.Tensor) -> None:
-        corrupted, labels = masker(rows, torch.arange(rows.shape[0]))
-        with step.autocast():
-            out = model(
-                corrupted.to(device),
-                labels.to(device),
-                predicted_per_row=masker.predicted_per_row(rows.shape[1]),
-            )
-        step.backward(out.loss)
+    step = stand_in_step(model, device, dtype)
 
     def measure(size: int) -> float:
         rows = torch.randint(
             masker.first_ordinary, masker.vocab_size, (size, seq_length), generator=generator
         )
-        if cuda:
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats(device)
-        out_of_memory = False
-        try:
-            steps, seconds = timed_steps(lambda: one_step(rows), device, min_steps, min_seconds, max_steps)
-        except torch.cuda.OutOfMemoryError:
-            out_of_memory = True  # raised below, once the failed step's tensors are released with its frames
-        finally:
-            model.zero_grad(set_to_none=True)
-        if out_of_memory:
-            torch.cuda.empty_cache()
-            raise TooLarge("out of memory")
-        if cuda:
-            check_peak_memory(device, reserve_bytes)
+        steps, seconds = timed_within_memory(
+            lambda: forward_backward(model, masker, step, rows, device),
+            model,
+            device,
+            reserve_bytes,
+            (min_steps, min_seconds, max_steps),
+        )
         return steps * size / seconds
 
     return measure
