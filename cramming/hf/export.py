@@ -297,6 +297,48 @@ def to_transformers(
     return _save(model, pretrained.tokenizer, special, Path(out), arch.max_seq_length)
 
 
+def _classifier_head(num_labels: int, dropout: float | None, labels: list[str] | None) -> dict:
+    """The classification keywords of the exported config; `labels` (if any) names each output."""
+    head = {
+        "num_labels": num_labels,
+        "classifier_dropout": dropout,
+        "problem_type": "regression" if num_labels == 1 else "single_label_classification",
+    }
+    if labels is not None:
+        if len(labels) != num_labels:
+            raise ExportError(f"{len(labels)} label names for a classifier with {num_labels} outputs")
+        head["id2label"] = dict(enumerate(labels))
+        head["label2id"] = {name: i for i, name in enumerate(labels)}
+    return head
+
+
+def _classifier_format(arch: ArchConfig, format: str, pooler: nn.Linear | None) -> str:
+    """choose_format for a classifier: BERT always pools through Linear(hidden, hidden) -> Tanh, so a head
+    without such a pooler falls back from `auto`'s bert to crammed_bert, and an explicit bert is refused."""
+    chosen = choose_format(arch, format)
+    native_pooler = pooler is not None and pooler.out_features == arch.hidden_size
+    if chosen != "bert" or native_pooler:
+        return chosen
+    if format == "bert":
+        raise ExportError(
+            "a native BertForSequenceClassification pools through Linear(hidden, hidden) -> Tanh: this"
+            " classifier has "
+            + ("no pooler" if pooler is None else f"a {pooler.out_features}-wide one")
+            + ". Use format crammed_bert."
+        )
+    return "crammed_bert"
+
+
+def _bert_classifier(
+    config: BertConfig, state: dict[str, torch.Tensor], head_state: dict[str, torch.Tensor]
+) -> PreTrainedModel:
+    """A native BertForSequenceClassification filled with our encoder's `state` and the head's `head_state`
+    (classifier.*, and pooler.0.* as BERT's pooler)."""
+    hf_state = _prefixed("bert.", bert_encoder_state(state, config.num_hidden_layers))
+    hf_state |= {key.replace("pooler.0.", "bert.pooler.dense."): v for key, v in head_state.items()}
+    return _fill(BertForSequenceClassification(config), hf_state)
+
+
 def classifier_to_transformers(
     checkpoint: str | Path,
     encoder: nn.Module,
@@ -321,41 +363,19 @@ def classifier_to_transformers(
     config = json.loads((directory / MODEL_CONFIG).read_text())
     arch, vocab = ArchConfig(**config["arch"]), config["vocab_size"]
     special = SpecialTokens(**config["special_tokens"])
-    num_labels = classifier.out_features
-    head = {
-        "num_labels": num_labels,
-        "classifier_dropout": dropout,
-        "problem_type": "regression" if num_labels == 1 else "single_label_classification",
-    }
-    if labels is not None:
-        if len(labels) != num_labels:
-            raise ExportError(f"{len(labels)} label names for a classifier with {num_labels} outputs")
-        head["id2label"] = dict(enumerate(labels))
-        head["label2id"] = {name: i for i, name in enumerate(labels)}
+    head = _classifier_head(classifier.out_features, dropout, labels)
     state = _submodule_state(encoder)
     head_state = _prefixed("classifier.", _submodule_state(classifier))
     if pooler is not None:
         head_state |= _prefixed("pooler.0.", _submodule_state(pooler))
-    chosen = choose_format(arch, format)
-    native_pooler = pooler is not None and pooler.out_features == arch.hidden_size
-    if chosen == "bert" and not native_pooler:
-        if format == "bert":
-            raise ExportError(
-                "a native BertForSequenceClassification pools through Linear(hidden, hidden) -> Tanh: this"
-                " classifier has "
-                + ("no pooler" if pooler is None else f"a {pooler.out_features}-wide one")
-                + ". Use format crammed_bert."
-            )
-        chosen = "crammed_bert"
-    if chosen == "bert":
-        hf_state = _prefixed("bert.", bert_encoder_state(state, arch.num_layers))
-        hf_state |= {key.replace("pooler.0.", "bert.pooler.dense."): v for key, v in head_state.items()}
-        model = _fill(BertForSequenceClassification(bert_config(arch, vocab, special, **head)), hf_state)
+    if _classifier_format(arch, format, pooler) == "bert":
+        model = _bert_classifier(bert_config(arch, vocab, special, **head), state, head_state)
     else:
-        if pooler is not None:
-            head["classifier_head_dim"] = pooler.out_features
-        model = crammed.CrammedBertForSequenceClassification(crammed_config(arch, vocab, special, **head))
-        model = _fill(model, _prefixed("encoder.", state) | head_state)
+        head_dim = {} if pooler is None else {"classifier_head_dim": pooler.out_features}
+        hf_config = crammed_config(arch, vocab, special, **head, **head_dim)
+        model = _fill(
+            crammed.CrammedBertForSequenceClassification(hf_config), _prefixed("encoder.", state) | head_state
+        )
     tokenizer = Tokenizer.from_file(str(directory / TOKENIZER))
     return _save(model, tokenizer, special, Path(out), arch.max_seq_length)
 
