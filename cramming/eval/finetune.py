@@ -141,22 +141,56 @@ def finetune(
     device = impl.torch_device()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    seed_everything(seed)
-    encoder = copy.deepcopy(backbone.encoder)
-    model = SequenceClassifier(encoder, backbone.hidden_size, task.num_labels, backbone.dropout, cfg.head)
-    model = model.to(device)
-    epochs, lr, batch_size = cfg.for_task(task.name)
-    train = encode(
-        splits["train"],
-        backbone.tokenizer,
-        backbone.input_length(cfg.max_length),
-        cfg.max_train_examples,
-        seed,
-    )
+    model = fresh_classifier(task, backbone, cfg, device, seed)
+    _, lr, _ = cfg.for_task(task.name)
+    length = backbone.input_length(cfg.max_length)
+    train = encode(splits["train"], backbone.tokenizer, length, cfg.max_train_examples, seed)
     optimizer = build_optimizer(model, _with_lr(cfg, lr), max_grad_norm=cfg.grad_clip, scope="eval.optim")
     step = TrainStep(
         model, optimizer, device_type=device.type, dtype=impl.compute_dtype(device), grad_clip=cfg.grad_clip
     )
+    loss_value, stopped, train_seconds = train_epochs(
+        model, step, train, task, backbone, cfg, seed, clock, stop
+    )
+    metrics = {
+        task.entry_name(split): evaluate(model, task, splits[split or "dev"], backbone, cfg, seed)
+        for split, _, _ in task.eval_splits
+    }
+    state = optimizer_state_report(optimizer)
+    return TaskResult(
+        metrics, len(train), step.stats.updates, time.perf_counter() - start, loss_value, stopped,
+        train_seconds=train_seconds,
+        optimizer_state_bytes=state["state_bytes"],
+        optimizer_state_ratio_to_adamw=state["ratio_to_adamw_fp32"],
+        peak_memory_bytes=peak_memory_bytes(device),
+    )  # fmt: skip
+
+
+def fresh_classifier(
+    task: GlueTask, backbone: Backbone, cfg: EvalConfig, device: torch.device, seed: int
+) -> SequenceClassifier:
+    """eval.head on a fresh copy of the backbone's encoder, on `device`; `seed` draws the head's weights."""
+    seed_everything(seed)
+    encoder = copy.deepcopy(backbone.encoder)
+    model = SequenceClassifier(encoder, backbone.hidden_size, task.num_labels, backbone.dropout, cfg.head)
+    return model.to(device)
+
+
+def train_epochs(
+    model: SequenceClassifier,
+    step: TrainStep,
+    train: Encoded,
+    task: GlueTask,
+    backbone: Backbone,
+    cfg: EvalConfig,
+    seed: int,
+    clock: BudgetClock | None,
+    stop: StopSignals | None,
+) -> tuple[float, bool, float]:
+    """The task's epochs over `train`, one log line each, until `clock` (if any) runs out, and a warning for
+    skipped updates: (last loss, stopped by the clock, seconds spent in the epochs). `seed` draws the order
+    of the examples."""
+    epochs, _, batch_size = cfg.for_task(task.name)
     schedule = LR_SCHEDULES[cfg.schedule]
     total = epochs * math.ceil(len(train) / batch_size)
     rng = np.random.default_rng(seed)
@@ -178,6 +212,12 @@ def finetune(
         )  # fmt: skip
         if stopped:
             break
+    warn_skipped_updates(task, seed, step)
+    return loss_value, stopped, train_seconds
+
+
+def warn_skipped_updates(task: GlueTask, seed: int, step: TrainStep) -> None:
+    """Say how many updates the training step skipped for a non-finite loss or gradient, if any."""
     if step.stats.skipped:
         log.warning(
             "%s seed %d: %d updates skipped for a non-finite loss or gradient",
@@ -185,18 +225,6 @@ def finetune(
             seed,
             step.stats.skipped,
         )
-    metrics = {
-        task.entry_name(split): evaluate(model, task, splits[split or "dev"], backbone, cfg, seed)
-        for split, _, _ in task.eval_splits
-    }
-    state = optimizer_state_report(optimizer)
-    return TaskResult(
-        metrics, len(train), step.stats.updates, time.perf_counter() - start, loss_value, stopped,
-        train_seconds=train_seconds,
-        optimizer_state_bytes=state["state_bytes"],
-        optimizer_state_ratio_to_adamw=state["ratio_to_adamw_fp32"],
-        peak_memory_bytes=peak_memory_bytes(device),
-    )  # fmt: skip
 
 
 # with eval.group_by_length, examples are sorted by length within windows of this many batches
