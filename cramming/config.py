@@ -8,6 +8,8 @@ message that names the key.
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -21,7 +23,7 @@ from cramming.eval.anytime import AnytimeConfig
 from cramming.eval.config import EvalRunConfig
 from cramming.impl import ImplConfig
 from cramming.model.config import ArchConfig
-from cramming.train.config import TrainConfig
+from cramming.train.config import TrainConfig, check_batch_division
 from cramming.train.distributed import PARALLEL
 from cramming.utils import claim_run_dir
 
@@ -52,10 +54,11 @@ class PretrainConfig:
 
     def __post_init__(self) -> None:
         check_choice("impl.distributed", self.impl.distributed, PARALLEL)
-        if self.budget <= 0:
+        if not self.budget > 0:  # also refuses nan; inf is refused by validate with every other number
             raise config_error(
                 "budget", self.budget, "give the wall-clock budget in hours, e.g. budget=24 or budget=0.1"
             )
+        check_batch_division(self.train.batch_size, self.impl.microbatch_size)
         if not self.name or "/" in self.name:
             raise config_error("name", self.name, "use a plain folder name without '/'")
         if self.data.seq_length > self.arch.max_seq_length:
@@ -83,11 +86,56 @@ def register_configs() -> None:
     OmegaConf.register_new_resolver("job_minutes", job_minutes, replace=True)
 
 
+def unknown_keys(node: DictConfig, prefix: str = "") -> list[str]:
+    """Dotted keys of `node` that its schema (the dataclass behind each level) does not have: added with
+    Hydra's `+key=value`, which composition lets through."""
+    kind = OmegaConf.get_type(node)
+    known = {f.name for f in dataclasses.fields(kind)} if dataclasses.is_dataclass(kind) else None
+    found = []
+    for key in node:
+        path = f"{prefix}{key}"
+        if known is not None and key not in known:
+            found.append(path)
+            continue
+        child = node._get_node(key)  # the node itself: nothing is resolved
+        if isinstance(child, DictConfig) and not child._is_missing() and not child._is_none():
+            found += unknown_keys(child, f"{path}.")
+    return found
+
+
+def non_finite_numbers(value: object, prefix: str = "") -> list[str]:
+    """Dotted keys of every float in a config object that is nan or infinite: no setting takes one (a budget
+    of nan would train forever at a learning rate of nan)."""
+    if dataclasses.is_dataclass(value):
+        items = ((f.name, getattr(value, f.name)) for f in dataclasses.fields(value))
+    elif isinstance(value, dict):
+        items = value.items()
+    elif isinstance(value, list | tuple):
+        items = enumerate(value)
+    else:
+        return [prefix.rstrip(".")] if isinstance(value, float) and not math.isfinite(value) else []
+    return [key for name, item in items for key in non_finite_numbers(item, f"{prefix}{name}.")]
+
+
 def validate(cfg: DictConfig, schema: type = PretrainConfig):
     """Turn the composed config into typed dataclasses, running every field check.
 
     Raises ConfigError naming the key at fault.
     """
+    unknown = unknown_keys(cfg)
+    if unknown:
+        raise ConfigError(
+            f"unknown setting(s) {', '.join(unknown)}: {schema.__name__} has no such key (added with `+`?)."
+            " Check the spelling against conf/ (`--cfg job` prints every key) and drop the `+`"
+        )
+    try:
+        plain = OmegaConf.to_container(cfg, resolve=True)
+    except Exception as err:  # omegaconf's own errors: missing values, failed interpolations
+        raise ConfigError(f"invalid configuration: {err}") from err
+    bad = non_finite_numbers(plain)
+    if bad:
+        values = ", ".join(f"{key}={OmegaConf.select(cfg, key)}" for key in bad)
+        raise ConfigError(f"{values}: every number must be finite. Give a finite value (budgets in hours)")
     try:
         obj = OmegaConf.to_object(cfg)
     except ConfigError:

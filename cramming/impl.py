@@ -58,6 +58,7 @@ class ImplConfig:
 
     def __post_init__(self) -> None:
         check_choice("impl.device", self.device.split(":")[0], DEVICES)
+        self.check_device_present()
         check_choice("impl.precision", self.precision, ("auto", *DTYPES))
         check_choice("impl.attention", self.attention, ATTENTION)
         check_choice("impl.layernorm", self.layernorm, LAYERNORM)
@@ -87,6 +88,22 @@ class ImplConfig:
             )
         if self.num_proc is not None and self.num_proc < 1:
             raise config_error("impl.num_proc", self.num_proc, "use a positive count or null for all cores")
+
+    def check_device_present(self) -> None:
+        """impl.device=cuda[:N] on a machine without that GPU fails here, naming the choices, not in torch."""
+        if not self.device.startswith("cuda"):
+            return
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        index = self.device.partition(":")[2]
+        if not index.isdigit() and index:
+            raise config_error("impl.device", self.device, "use cuda, cuda:<index>, cpu or auto")
+        if count == 0 or int(index or 0) >= count:
+            found = f"{count} CUDA GPU(s)" if count else "no CUDA GPU (or a CPU-only build of torch)"
+            raise config_error(
+                "impl.device",
+                self.device,
+                f"this machine has {found}. Use impl.device=cpu, or auto (a GPU when there is one)",
+            )
 
     @property
     def preprocessing_procs(self) -> int:

@@ -103,8 +103,26 @@ class EvalConfig:
     per_task: dict[str, TaskOverride] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        if not self.tasks:
+            raise config_error(
+                "eval.tasks", self.tasks, "name at least one task, e.g. eval.tasks=[RTE,SST-2]"
+            )
         for task in self.tasks:
             check_choice("eval.tasks", task, GLUE_TASKS)
+        for key in ("tasks", "seeds"):
+            repeated = sorted({str(x) for x in getattr(self, key) if getattr(self, key).count(x) > 1})
+            if repeated:
+                raise config_error(
+                    f"eval.{key}",
+                    getattr(self, key),
+                    f"{', '.join(repeated)} appear(s) more than once: each run would be the same run again."
+                    + (" For more runs per task, add seeds to eval.seeds" if key == "tasks" else ""),
+                )
+        for key in ("max_train_examples", "max_eval_examples"):
+            if getattr(self, key) is not None and getattr(self, key) < 1:
+                raise config_error(
+                    f"eval.{key}", getattr(self, key), "use a positive number of examples, or null for all"
+                )
         if self.glue_dir is not None and not Path(self.glue_dir).is_dir():
             raise config_error(
                 "eval.glue_dir", self.glue_dir, "no such folder: point it at a local copy of GLUE in the"

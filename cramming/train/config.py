@@ -120,3 +120,24 @@ class TrainConfig:
             )
         if self.validation_rows < 0:
             raise config_error("train.validation_rows", self.validation_rows, "use 0 (none) or more rows")
+
+
+def check_batch_division(batch_size: int, microbatch_size: int | str, world_size: int = 1) -> None:
+    """train.batch_size must be formed exactly from micro-batches of impl.microbatch_size on each of
+    `world_size` processes: a batch the micro-batch does not divide would train another batch size than the
+    run records. (The ramp's smaller batches are whole micro-batches by definition: schedules.py.)"""
+    if microbatch_size == "auto":
+        return  # the search only tries divisors (train/autobatch.py)
+    per_update = microbatch_size * world_size
+    if batch_size % per_update == 0:
+        return
+    divisors = [d for d in range(1, batch_size + 1) if batch_size % (d * world_size) == 0]
+    below = max((d for d in divisors if d <= microbatch_size), default=None)
+    where = f" on each of {world_size} processes" if world_size > 1 else ""
+    hint = f"impl.microbatch_size={below}" if below is not None else "another train.batch_size"
+    raise config_error(
+        "train.batch_size",
+        batch_size,
+        f"it is not a whole number of micro-batches of impl.microbatch_size={microbatch_size}{where}, so the"
+        f" run would train another batch than it records. Use a batch size divisible by {per_update}, or {hint}",
+    )
