@@ -124,6 +124,7 @@ class RunCard:
                 "device": device_description(
                     self.config.get("impl", {}).get("device", "auto"),
                     self.config.get("impl", {}).get("precision", "auto"),
+                    self.config.get("impl", {}).get("cpu_threads"),
                 ),
             }
         return self._environment
@@ -415,28 +416,37 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def device_description(device: str = "auto", precision: str = "auto") -> dict:
+def device_description(device: str = "auto", precision: str = "auto", cpu_threads: int | None = None) -> dict:
     """The CPU always (data loading and preprocessing run there), whether it has native bf16, the GPU when the
-    run uses one, and the training precision impl.precision resolves to there (and why)."""
+    run uses one, and the training precision impl.precision resolves to there (and why). The card is written
+    before the job applies impl.cpu_threads (ImplConfig.apply_threads), so the threads it will use are told
+    by that setting when there is one."""
     native, how = cpu_bf16_support()
     described = {
         "cpu": cpu_model(),
         "cpu_count": os.cpu_count(),
         "cpu_native_bf16": how if native else None,
-        "torch_threads": torch.get_num_threads(),
+        "torch_threads": cpu_threads if isinstance(cpu_threads, int) else torch.get_num_threads(),
         "gpu": None,
     }
     if precision in ("auto", *DTYPES):
-        impl = ImplConfig(device=device if device.split(":")[0] in DEVICES else "auto", precision=precision)
+        try:
+            impl = ImplConfig(
+                device=device if device.split(":")[0] in DEVICES else "auto", precision=precision
+            )
+        except ConfigError:  # a device this machine lacks: the job's validation reports it
+            impl = ImplConfig(device="auto", precision=precision)
         dtype, why = impl.precision_choice(impl.torch_device())
         described["precision"] = {"dtype": str(dtype).removeprefix("torch."), "why": why}
     if device != "cpu" and torch.cuda.is_available():
-        index = torch.device(device).index if device.startswith("cuda:") else 0
-        described |= {
-            "gpu": torch.cuda.get_device_name(index),
-            "gpu_count": torch.cuda.device_count(),
-            "cuda": torch.version.cuda,
-        }
+        index = device.partition(":")[2]
+        index = int(index) if index.isdigit() else 0
+        if index < torch.cuda.device_count():  # else the job's validation names the device it lacks
+            described |= {
+                "gpu": torch.cuda.get_device_name(index),
+                "gpu_count": torch.cuda.device_count(),
+                "cuda": torch.version.cuda,
+            }
     return described
 
 

@@ -38,6 +38,7 @@ from cramming.model import checkpoint as model_checkpoint
 from cramming.optim import build_optimizer, format_state_report, optimizer_state_report
 from cramming.train import autobatch, checkpoint, distributed
 from cramming.train.batches import microbatches, numbered
+from cramming.train.config import check_batch_division
 from cramming.train.context import context_use
 from cramming.train.context import describe as describe_context_use
 from cramming.train.mlm import MLMMasker, mlm_accuracy_counts, mlm_totals
@@ -202,20 +203,21 @@ def set_up(
 def configure_torch(cfg: PretrainConfig, device: torch.device) -> None:
     """Seeds, and the speed settings of impl that act process-wide."""
     seed_everything(cfg.seed)
+    cfg.impl.apply_threads()  # on any device, as evaluation does: the run card reports the setting
     if device.type == "cuda":
         torch.set_float32_matmul_precision("high")  # TF32 for any fp32 matmul left: rounding only
-    else:
-        cfg.impl.apply_threads()
 
 
 def choose_microbatch_size(
     cfg: PretrainConfig, model: nn.Module, masker: MLMMasker, ranks, dtype: torch.dtype, seq_length: int
 ) -> int:
     """impl.microbatch_size, or with `auto` the searched one: now, on the budget's clock, before any
-    optimizer hook. Returned, never written back into the config."""
+    optimizer hook. Returned, never written back into the config. Either way it must form train.batch_size
+    exactly on this many processes."""
     if cfg.impl.microbatch_size != "auto":
+        check_batch_division(cfg.train.batch_size, cfg.impl.microbatch_size, ranks.world_size)
         return cfg.impl.microbatch_size
-    return autobatch.choose_microbatch(
+    chosen = autobatch.choose_microbatch(
         model,
         masker,
         ranks.device,
@@ -226,6 +228,8 @@ def choose_microbatch_size(
         time_limit=autobatch.time_limit_for(cfg.budget),
         search_allowed=ranks.world_size == 1,
     )
+    check_batch_division(cfg.train.batch_size, chosen, ranks.world_size)
+    return chosen
 
 
 def make_train_step(
@@ -313,18 +317,23 @@ def train(
     with catch_stop_signals() as signals:
         run.signals = signals
         run.window = Window()  # throughput from here, set-up excluded
-        reason = check_stop(run)
+        reason = check_stop(run) or steps_done(run)  # a requeued job that had finished: straight to finish
         while reason is None:
             reason = run_update(run)
             if run.progress.updates == 1 or run.progress.updates % cfg.train.log_every == 0:
                 log_progress(run)
             if reason is None:
                 run_hooks(run)
-            if reason is None and cfg.train.steps is not None and run.progress.updates >= cfg.train.steps:
-                reason = "steps"
+            reason = reason or steps_done(run)
             if reason is None and run.clock.elapsed() - run.last_save >= 60 * cfg.train.checkpoint_every_min:
                 save_resumable_state(run)
     return finish(run, reason)
+
+
+def steps_done(run: Run) -> str | None:
+    """ "steps" once train.steps updates are done."""
+    steps = run.cfg.train.steps
+    return "steps" if steps is not None and run.progress.updates >= steps else None
 
 
 def check_stop(run: Run) -> str | None:
@@ -546,6 +555,7 @@ def load_resume_state(cfg: PretrainConfig, run_dir: Path) -> dict | None:
         return None
     for folder in (Path(cfg.base_dir) / cfg.name).glob("*/"):  # saves killed mid-write, in any run of it
         checkpoint.remove_stale_temporaries(folder)
+    own = path is not None
     path = path or checkpoint.find_resumable_state(cfg.base_dir, cfg.name)
     if path is None:
         raise ConfigError(
@@ -555,6 +565,8 @@ def load_resume_state(cfg: PretrainConfig, run_dir: Path) -> dict | None:
     path, state = checkpoint.load_newest_state(path)  # falls back to state.prev.pt, with a warning
     if state.get("version") != STATE_VERSION:
         raise ConfigError(f"{path} has state version {state.get('version')}, this code reads {STATE_VERSION}")
+    if not own:  # a requeued job that had finished only writes its final model again (train: steps_done)
+        check_unfinished(cfg, state, path.parent)
     log.info(
         "resuming from %s: update %d, %.2fh of budget spent",
         path,
@@ -564,19 +576,47 @@ def load_resume_state(cfg: PretrainConfig, run_dir: Path) -> dict | None:
     return state
 
 
+def check_unfinished(cfg: PretrainConfig, state: dict, run_dir: Path) -> None:
+    """resume=true continues a run that stopped early; one that ended by its own rule (its train.steps done,
+    its budget spent) has nothing left to train, and another update would run at the schedule's end (lr 0)."""
+    updates, spent = state["progress"]["updates"], state["elapsed"]
+    if cfg.train.steps is not None and updates >= cfg.train.steps:
+        done = f"did all train.steps={cfg.train.steps} updates"
+        fix = "raise train.steps to train on"
+    elif spent >= cfg.budget * 3600:
+        done = f"spent its budget ({spent / 3600:.4g} h of budget={cfg.budget:g})"
+        fix = "raise budget to train on"
+    else:
+        return
+    raise ConfigError(
+        f"resume=true: the run in {run_dir} already finished: it {done} in {updates} updates (its final model:"
+        f" {run_dir / model_checkpoint.CHECKPOINT_DIR}). Nothing is left to resume; {fix}, or start afresh with"
+        " resume=false"
+    )
+
+
 def restore(run: Run, state: dict) -> None:
-    if state["arch"] != asdict(run.cfg.arch):
+    differ = arch_differences(state["arch"], asdict(run.cfg.arch))
+    if differ:
         raise ConfigError(
-            f"resume=true: the saved run used another arch ({state['arch']['name']}); resume with the same `arch`"
+            f"resume=true: the saved run's model differs from this config's ({'; '.join(differ)}). Resume"
+            " with the saved run's settings, or start afresh with resume=false or another name"
         )
     distributed.load_full_state(run.model, run.optimizer, state["model"], state["optimizer"], run.ranks)
-    run.step.load_state_dict(state["step"])
     progress = dict(state["progress"])
     # states written before the skip counters moved into the step's own state kept them in the progress
     legacy = {key: progress.pop(key) for key in ("skipped", "skipped_in_a_row") if key in progress}
     run.progress = Progress(**progress)
     run.step.load_state_dict({"stats": legacy, **state["step"]})
     set_rng_state(state["rng"])
+
+
+def arch_differences(saved: dict, here: dict) -> list[str]:
+    """'arch.<key>: <saved> there, <here> here' for each architecture setting that differs."""
+    keys = sorted(saved.keys() | here.keys(), key=lambda key: (key == "name", key))  # the name last
+    return [
+        f"arch.{k}: {saved.get(k)!r} there, {here.get(k)!r} here" for k in keys if saved.get(k) != here.get(k)
+    ]
 
 
 def check_same_data(state: dict, here: dict, path: Path) -> None:
@@ -617,6 +657,12 @@ def finish(run: Run, reason: str) -> TrainResult:
     """Save what the run leaves behind; the final model only when training ended by its own rule."""
     log_progress(run)
     log.info("stopping (%s) after %d updates, %s", reason, run.progress.updates, run.clock.describe())
+    if run.progress.updates == 0 and reason not in STOP_SIGNALS:
+        raise ConfigError(
+            f"budget={run.cfg.budget:g} h ({run.clock.budget_seconds:.3g} s) ran out before the first update"
+            f" ({run.clock.elapsed():.1f} s went to set-up): nothing was trained, so no model is saved. Give a"
+            " budget that leaves time to train, e.g. budget=0.05 (3 minutes)"
+        )
     save_resumable_state(run)
     elapsed = run.clock.elapsed()
     if reason in STOP_SIGNALS:
