@@ -12,6 +12,7 @@ import glob
 import gzip
 import logging
 import os
+import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -89,10 +90,20 @@ def _select_text(ds: datasets.Dataset, cfg: SourceConfig, where: str) -> dataset
             f"{where} has no field {cfg.text_field!r}; its fields are {ds.column_names}. "
             "Set data.sources.<name>.text_field to the one that holds the text."
         )
+    kind = ds.features[cfg.text_field]
+    if not (isinstance(kind, datasets.Value) and kind.dtype in ("string", "large_string")):
+        raise DataSourceError(
+            f"{where}: field {cfg.text_field!r} holds {_feature_name(kind)}, not text. Set"
+            " data.sources.<name>.text_field to the field that holds the documents' text"
+        )
     ds = ds.select_columns([cfg.text_field])
     if cfg.text_field != "text":
         ds = ds.rename_column(cfg.text_field, "text")
     return ds.cast(TEXT_FEATURES)
+
+
+def _feature_name(feature: object) -> str:
+    return f"{feature.dtype} values" if isinstance(feature, datasets.Value) else type(feature).__name__
 
 
 def _cap(ds: datasets.Dataset, max_entries: int | None) -> datasets.Dataset:
@@ -133,8 +144,29 @@ def _first_undecodable(path: str) -> tuple[int, int] | None:
             offset += len(chunk)
 
 
+def _unreadable(path: str) -> str | None:
+    """Why a file cannot be read through to its end (not gzip, cut short, no permission), or None."""
+    try:
+        with (gzip.open if path.endswith(".gz") else open)(path, "rb") as f:
+            while f.read(1 << 20):
+                pass
+    except gzip.BadGzipFile:
+        return "is not gzip-compressed (rename it without .gz if it is plain text, or compress it with gzip)"
+    except EOFError:
+        return (
+            "is cut short: its gzip stream ends early (a copy or download that did not finish). Copy it again"
+        )
+    except (OSError, zlib.error) as err:
+        return f"cannot be read ({err.strerror or err}). Check the file and its permissions"
+    return None
+
+
 def _read_error(builder: str, group: list[str], err: Exception) -> DataSourceError:
     """Name the file and the problem behind a `datasets` failure ("An error occurred while generating...")."""
+    for path in group:
+        why = _unreadable(path)
+        if why is not None:
+            return DataSourceError(f"{path} {why}, or remove it from data.sources.<name>.files")
     if builder in ("text", "json"):
         for path in group:
             bad = _first_undecodable(path)
