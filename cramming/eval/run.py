@@ -14,9 +14,9 @@ from cramming.cluster import hand_back_to_launcher
 from cramming.errors import ConfigError, DataSourceError
 from cramming.eval.backbone import Backbone
 from cramming.eval.config import EvalRunConfig
-from cramming.eval.finetune import EvaluationStopped, finetune_tasks
+from cramming.eval.finetune import EvaluationStopped, GlueRuns, finetune_tasks
 from cramming.eval.glue_data import TaskDataMissing, load_task
-from cramming.eval.scores import glue_average, markdown_table, summarize
+from cramming.eval.scores import EntryScore, glue_average, markdown_table, summarize
 from cramming.eval.tasks import GLUE_TASKS
 from cramming.impl import ImplConfig
 from cramming.model.checkpoint import load_pretrained
@@ -159,6 +159,105 @@ def earlier_runs(
     return runs
 
 
+def checkpoint_source(backbone: Backbone) -> str:
+    """What the backbone was loaded from: its checkpoint, or its transformers folder."""
+    return backbone.info.get("checkpoint") or backbone.info.get("path", "")
+
+
+def tasks_with_data(cfg: EvalRunConfig) -> tuple[list, list[str], dict[str, list[str]]]:
+    """load_tasks, refusing an evaluation that is left without a task (DataSourceError)."""
+    jobs, skipped, bad_rows = load_tasks(cfg)
+    if not jobs:
+        raise DataSourceError(
+            f"no task could be evaluated: none of {', '.join(skipped)} has data in"
+            f" {cfg.eval.glue_dir or 'the hub'}; point eval.glue_dir at a copy of GLUE in the original TSV layout"
+        )
+    return jobs, skipped, bad_rows
+
+
+def finetune_keeping_runs(
+    cfg: EvalRunConfig,
+    jobs: list,
+    backbone: Backbone,
+    budget: BudgetClock | None,
+    done: dict[tuple[str, int], dict],
+    recipe: dict,
+    run_dir: Path,
+) -> GlueRuns:
+    """finetune_tasks on every seed of cfg.eval.seeds, rewriting RUNS_JSON after each finished (task, seed).
+
+    A stop signal is only noted while the runs go (cramming.train.signals) and acted on after an update, never
+    inside whatever code it lands in; submitit's handler is back in place before the job is handed back for a
+    requeue (SIGUSR2 in a cluster job), and a plain run exits 128 + the signal (eval.py)."""
+    seeds = [cfg.seed + seed for seed in cfg.eval.seeds]
+    finished: list[dict] = []
+
+    def keep(record: dict) -> None:
+        finished.append(record)
+        atomic_write_text(
+            run_dir / RUNS_JSON, json.dumps({"recipe": recipe, "runs": finished}, indent=1) + "\n"
+        )
+
+    with catch_stop_signals("stopping after this update; the finished runs are kept") as signals:
+        try:
+            return finetune_tasks(
+                jobs, backbone, cfg.eval, cfg.impl, seeds, budget, done=done, on_run=keep, stop=signals
+            )
+        except EvaluationStopped as stopped:
+            interrupted = stopped
+    log.warning(
+        "%s: %d finished (task, seed) runs are kept in %s", interrupted, len(finished), run_dir / RUNS_JSON
+    )
+    hand_back_to_launcher(interrupted.signal_name)  # a cluster job: requeued, takes up its finished runs
+    raise interrupted
+
+
+def glue_report(
+    cfg: EvalRunConfig,
+    backbone: Backbone,
+    glue: GlueRuns,
+    scores: dict[str, EntryScore],
+    skipped: list[str],
+    bad_rows: dict[str, list[str]],
+    start: float,
+) -> dict:
+    """What RESULTS_JSON holds: the checkpoint and config, every run, the scores and the GLUE average, what was
+    left out and why, and the seconds since `start` (time.perf_counter)."""
+    average, used = glue_average(scores)
+    return {
+        "checkpoint": checkpoint_source(backbone),
+        "pretraining": backbone.info.get("pretraining", {}),
+        "optimizer": cfg.eval.optim.name,
+        "config": asdict(cfg),
+        "runs": glue.runs,
+        "scores": {e: {"metric": s.metric, "median": s.median, "spread": s.spread, "per_seed": s.per_seed,
+                       "medians": s.medians} for e, s in scores.items()},
+        "glue_average": average,
+        "average_entries": used,
+        "skipped_no_data": skipped,
+        "bad_rows_skipped": {task: len(rows) for task, rows in bad_rows.items()},
+        "not_run_budget": glue.not_run,
+        "reused_runs": sum("reused_from" in run for run in glue.runs),
+        "seconds": time.perf_counter() - start,
+    }  # fmt: skip
+
+
+def results_table(scores: dict[str, EntryScore], report: dict) -> str:
+    """RESULTS_TABLE below its header: the scores of glue_report's `report`, then a line each for the runs
+    reused and the bad rows skipped, if any."""
+    if scores:
+        table = markdown_table(scores, report["skipped_no_data"], report["not_run_budget"])
+    else:
+        table = "No task could be evaluated.\n"
+    reused = report["reused_runs"]
+    if reused:
+        table += f"Reused (resume=true): {reused} of {len(report['runs'])} runs, fine-tuned earlier with this recipe.\n"
+    if report["bad_rows_skipped"]:
+        counts = ", ".join(f"{task} {n}" for task, n in report["bad_rows_skipped"].items())
+        table += f"Bad rows skipped (eval.skip_bad_rows): {counts}.\n"
+    return table
+
+
 def run_glue(
     cfg: EvalRunConfig,
     backbone: Backbone,
@@ -174,74 +273,17 @@ def run_glue(
     log.info("fine-tuning precision %s (%s)", str(dtype).removeprefix("torch."), why)
     budget = BudgetClock(cfg.budget, clock) if cfg.budget is not None else None
     start = time.perf_counter()
-    source = backbone.info.get("checkpoint") or backbone.info.get("path", "")
-    recipe = recipe_of(cfg, source)
+    recipe = recipe_of(cfg, checkpoint_source(backbone))
     done = earlier_runs(cfg, recipe, run_dir, sweep_job)
-    jobs, skipped, bad_rows = load_tasks(cfg)
-    if not jobs:
-        raise DataSourceError(
-            f"no task could be evaluated: none of {', '.join(skipped)} has data in"
-            f" {cfg.eval.glue_dir or 'the hub'}; point eval.glue_dir at a copy of GLUE in the original TSV layout"
-        )
-    seeds = [cfg.seed + seed for seed in cfg.eval.seeds]
-    finished: list[dict] = []
-
-    def keep(record: dict) -> None:
-        finished.append(record)
-        atomic_write_text(
-            run_dir / RUNS_JSON, json.dumps({"recipe": recipe, "runs": finished}, indent=1) + "\n"
-        )
-
-    # a stop signal is only noted while the runs go (cramming.train.signals) and acted on after an update,
-    # never inside whatever code it lands in; submitit's handler is back in place before the job is handed
-    # back for a requeue (SIGUSR2 in a cluster job), and a plain run exits 128 + the signal (eval.py)
-    with catch_stop_signals("stopping after this update; the finished runs are kept") as signals:
-        try:
-            glue = finetune_tasks(
-                jobs, backbone, cfg.eval, cfg.impl, seeds, budget, done=done, on_run=keep, stop=signals
-            )
-        except EvaluationStopped as stopped:
-            interrupted = stopped
-        else:
-            interrupted = None
-    if interrupted is not None:
-        log.warning(
-            "%s: %d finished (task, seed) runs are kept in %s",
-            interrupted,
-            len(finished),
-            run_dir / RUNS_JSON,
-        )
-        hand_back_to_launcher(interrupted.signal_name)  # a cluster job: requeued, takes up its finished runs
-        raise interrupted
+    jobs, skipped, bad_rows = tasks_with_data(cfg)
+    glue = finetune_keeping_runs(cfg, jobs, backbone, budget, done, recipe, run_dir)
     scores = summarize(glue.per_entry)
-    average, used = glue_average(scores)
-    table = markdown_table(scores, skipped, glue.not_run) if scores else "No task could be evaluated.\n"
-    reused = sum("reused_from" in run for run in glue.runs)
-    if reused:
-        table += (
-            f"Reused (resume=true): {reused} of {len(glue.runs)} runs, fine-tuned earlier with this recipe.\n"
-        )
-    report = {
-        "checkpoint": source,
-        "pretraining": backbone.info.get("pretraining", {}),
-        "optimizer": cfg.eval.optim.name,
-        "config": asdict(cfg),
-        "runs": glue.runs,
-        "scores": {e: {"metric": s.metric, "median": s.median, "spread": s.spread, "per_seed": s.per_seed,
-                       "medians": s.medians} for e, s in scores.items()},
-        "glue_average": average,
-        "average_entries": used,
-        "skipped_no_data": skipped,
-        "bad_rows_skipped": {task: len(rows) for task, rows in bad_rows.items()},
-        "not_run_budget": glue.not_run,
-        "reused_runs": reused,
-        "seconds": time.perf_counter() - start,
-    }  # fmt: skip
+    report = glue_report(cfg, backbone, glue, scores, skipped, bad_rows, start)
     atomic_write_text(run_dir / RESULTS_JSON, json.dumps(report, indent=2) + "\n")
-    if bad_rows:
-        counts = ", ".join(f"{task} {len(rows)}" for task, rows in bad_rows.items())
-        table += f"Bad rows skipped (eval.skip_bad_rows): {counts}.\n"
-    header = f"# GLUE: {source}\n\nOptimizer `{cfg.eval.optim.name}`, recipe `{cfg.eval.name}`.\n\n"
+    table = results_table(scores, report)
+    header = (
+        f"# GLUE: {report['checkpoint']}\n\nOptimizer `{cfg.eval.optim.name}`, recipe `{cfg.eval.name}`.\n\n"
+    )
     atomic_write_text(run_dir / RESULTS_TABLE, header + table)
     log.info("GLUE results:\n%s", table)
     if skipped:
