@@ -28,6 +28,8 @@ import statistics
 import sys
 from pathlib import Path
 
+from matplotlib.text import Text
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # cpu_study's readers, when imported by the tests
 
 from cpu_study import TASKS, average, cell, entry_scores, load  # noqa: E402
@@ -118,29 +120,189 @@ def glue_table(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+CAPSIZE_PT, MARKER_PT, LABEL_PT = 3.0, 4.0, 6  # error-bar caps (half-width), markers and labels, in points
+
+
+# A box on the drawn figure: (x0, y0, x1, y1) in display pixels, y upwards
+Box = tuple[float, float, float, float]
+Segment = tuple[tuple[float, float], tuple[float, float]]
+
+
+def _overlaps(a: Box, b: Box) -> bool:
+    return a[0] < b[2] and b[0] < a[2] and a[1] < b[3] and b[1] < a[3]
+
+
+def _inside(a: Box, area: Box) -> bool:
+    return area[0] <= a[0] and area[1] <= a[1] and a[2] <= area[2] and a[3] <= area[3]
+
+
+def _nearest_on(box: Box, point: tuple[float, float]) -> tuple[float, float]:
+    """The point of `box` nearest to `point` (where a leader line from `point` meets the box)."""
+    return min(max(point[0], box[0]), box[2]), min(max(point[1], box[1]), box[3])
+
+
+def _crosses(segment: Segment, box: Box) -> bool:
+    """Whether the segment passes through the inside of `box` (Liang-Barsky clipping)."""
+    (x0, y0), (x1, y1) = segment
+    low, high = 0.0, 1.0
+    for delta, start, lo, hi in ((x1 - x0, x0, box[0], box[2]), (y1 - y0, y0, box[1], box[3])):
+        if delta == 0:
+            if not lo < start < hi:
+                return False
+            continue
+        enter, leave = sorted(((lo - start) / delta, (hi - start) / delta))
+        low, high = max(low, enter), min(high, leave)
+    return low < high
+
+
+def _candidates(
+    point: tuple[float, float], size: tuple[float, float], clearance: float, rings: int
+) -> list[Box]:
+    """Boxes of `size` beside `point`, nearest first: right of it, then left, `clearance` pixels away, moved
+    up and down in steps of half the box's height and outwards by one height per ring."""
+    (x, y), (width, height) = point, size
+    boxes = []
+    for ring in range(rings):
+        for side in (1, -1):
+            x0 = x + clearance + ring * height if side > 0 else x - clearance - ring * height - width
+            for step in sorted(range(-2 * rings, 2 * rings + 1), key=lambda s: (abs(s), -s)):
+                y0 = y - height / 2 + step * height / 2
+                boxes.append((x0, y0, x0 + width, y0 + height))
+    return sorted(boxes, key=lambda box: math.dist(point, _nearest_on(box, point)))  # stable: ties keep order
+
+
+def place_labels(
+    points: list[tuple[float, float]],
+    sizes: list[tuple[float, float]],
+    bars: list[Box],
+    area: Box,
+    clearance: float,
+    rings: int = 8,
+) -> list[Box]:
+    """A box for each point's label (same order), of the label's size, inside `area` and on no other label
+    and no point's marker or error bar (`bars`, a box each); the leader line from the point to its label
+    crosses no other label (it may cross an error bar: in a dense column there is no other way out). Greedy
+    and deterministic: the points from the top down, each label takes the nearest free place beside its
+    point. Raises ValueError when a label finds no free place within `rings`."""
+    placed: list[Box] = []
+    leaders: list[Segment] = []
+    order = sorted(range(len(points)), key=lambda i: (-points[i][1], points[i][0], i))
+    for i in order:
+        for box in _candidates(points[i], sizes[i], clearance, rings):
+            leader = (points[i], _nearest_on(box, points[i]))
+            if (
+                _inside(box, area)
+                and not any(_overlaps(box, other) for other in placed + bars)
+                and not any(_crosses(leader, other) for other in placed)
+                and not any(_crosses(segment, box) for segment in leaders)
+            ):
+                placed.append(box)
+                leaders.append(leader)
+                break
+        else:
+            raise ValueError(f"no free place for label {i} at {points[i]} within {rings} rings")
+    return [placed[order.index(i)] for i in range(len(points))]
+
+
+def _point_obstacles(ax, rows: list[dict]) -> list[Box]:
+    """Each row's marker and error bar with its caps, as a box on the drawn axes."""
+    reach = max(CAPSIZE_PT, MARKER_PT / 2) * ax.figure.dpi / 72
+    boxes = []
+    for row in rows:
+        x, lo, hi = 100 * row["state_ratio"], min(row["seed_averages"]), max(row["seed_averages"])
+        (px, py), (_, low), (_, high) = ax.transData.transform([(x, row["average"]), (x, lo), (x, hi)])
+        boxes.append((px - reach, min(low, py) - reach, px + reach, max(high, py) + reach))
+    return boxes
+
+
+def _label_points(ax, rows: list[dict], colors: list, renderer) -> list:
+    """Each row's label in its point's colour at place_labels' box, with a thin leader line from the point
+    where the box does not touch it; returns the annotations."""
+    px_per_pt = ax.figure.dpi / 72
+    clearance = (max(CAPSIZE_PT, MARKER_PT / 2) + 2) * px_per_pt
+    points = [tuple(ax.transData.transform((100 * row["state_ratio"], row["average"]))) for row in rows]
+    sizes = []
+    for row in rows:  # measured on the frozen layout, then removed
+        probe = ax.text(0, 0, row["label"], fontsize=LABEL_PT)
+        extent = probe.get_window_extent(renderer)
+        sizes.append((extent.width, extent.height))
+        probe.remove()
+    area = tuple(ax.get_window_extent(renderer).padded(-2).extents)
+    boxes = place_labels(points, sizes, _point_obstacles(ax, rows), area, clearance)
+    labels = []
+    for row, color, point, box in zip(rows, colors, points, boxes, strict=True):
+        near = _nearest_on(box, point)
+        leader = None
+        if math.dist(point, near) > clearance + 1:
+            relpos = ((near[0] - box[0]) / (box[2] - box[0]), (near[1] - box[1]) / (box[3] - box[1]))
+            leader = {
+                "arrowstyle": "-",
+                "lw": 0.4,
+                "color": color,
+                "shrinkA": 0,
+                "shrinkB": 0,
+                "relpos": relpos,
+            }
+        offset = ((box[0] - point[0]) / px_per_pt, (box[1] - point[1]) / px_per_pt)
+        labels.append(ax.annotate(row["label"], (100 * row["state_ratio"], row["average"]), xytext=offset,
+                                  textcoords="offset points", fontsize=LABEL_PT, color=color, ha="left",
+                                  va="bottom", arrowprops=leader))  # fmt: skip
+    return labels
+
+
+def label_problems(fig, panels: list[tuple[object, list[dict], list]]) -> list[str]:
+    """Labels, as drawn, that overlap another label or a point's marker or error bar, or leave the figure."""
+    fig.draw_without_rendering()
+    renderer = fig.canvas.get_renderer()
+    problems = []
+    for ax, rows, labels in panels:
+        # the text alone (an annotation's own extent takes in its leader line)
+        boxes = [tuple(Text.get_window_extent(label, renderer).extents) for label in labels]
+        obstacles = _point_obstacles(ax, rows)
+        for i, (label, box) in enumerate(zip(labels, boxes, strict=True)):
+            if any(_overlaps(box, other) for other in boxes[i + 1 :] + obstacles):
+                problems.append(f"label {label.get_text()!r} overlaps another label or a point's error bar")
+            if not _inside(box, tuple(fig.bbox.extents)):
+                problems.append(f"label {label.get_text()!r} leaves the figure")
+    return problems
+
+
 def glue_plot(panels: list[tuple[str, list[dict]]], path: Path) -> None:
     """GLUE average against measured optimizer-state bytes (% of AdamW's), one point per optimizer, the
-    seeds' range of the average as error bars; one panel per checkpoint."""
-    fig = _figure((5.2 * len(panels), 4.2))
+    seeds' range of the average as error bars; one panel per checkpoint. Each point is labelled with its row
+    in its colour, clear of the other labels and error bars (place_labels), with a leader line where needed."""
+    fig = _figure((6.4 * len(panels), 4.8))
     axes = fig.subplots(1, len(panels), squeeze=False)[0]
+    drawn = []
     for ax, (title, rows) in zip(axes, panels, strict=True):
-        for row in rows:
-            if row["state_ratio"] is None:
-                continue
+        shown = [row for row in rows if row["state_ratio"] is not None]
+        colors = []
+        for row in shown:
             x, y = 100 * row["state_ratio"], row["average"]
             lo, hi = min(row["seed_averages"]), max(row["seed_averages"])
-            ax.errorbar(x, y, yerr=[[max(y - lo, 0)], [max(hi - y, 0)]], fmt="o", capsize=3, ms=4)
-            ax.annotate(row["label"], (x, y), textcoords="offset points", xytext=(4, 3), fontsize=6)
+            bar = ax.errorbar(x, y, yerr=[[max(y - lo, 0)], [max(hi - y, 0)]], fmt="o", capsize=CAPSIZE_PT,
+                              ms=MARKER_PT)  # fmt: skip
+            colors.append(bar.lines[0].get_color())
         reference = rows[0]["average"]
         ax.axhspan(reference - 1, reference + 1, color="grey", alpha=0.15)
         ax.set_xscale("log")
-        shown = [100 * row["state_ratio"] for row in rows if row["state_ratio"] is not None]
-        ax.set_xlim(min(shown) / 1.3, max(shown) * 2.0)  # room for the labels right of the points
+        xs = [100 * row["state_ratio"] for row in shown]
+        ax.set_xlim(min(xs) / 1.5, max(xs) * 3.0)  # room for the labels either side of the points
+        ys = [reference - 1, reference + 1, *(v for row in shown for v in row["seed_averages"])]
+        ax.set_ylim(min(ys) - 0.2, max(ys) + 0.2)
         ax.set_xlabel("optimizer state, % of AdamW's (measured)")
         ax.set_ylabel("GLUE average of 5 task medians\n(bars: range of the seeds' averages)")
         ax.set_title(f"{title} (grey: {rows[0]['label']} ± 1 point)", fontsize=9)
         ax.grid(alpha=0.3)
-    problems = layout_problems(fig)
+        drawn.append((ax, shown, colors))
+    fig.draw_without_rendering()  # the constrained layout settles the axes, then stays as it is for the labels
+    fig.set_layout_engine("none")
+    renderer = fig.canvas.get_renderer()
+    try:
+        labelled = [(ax, shown, _label_points(ax, shown, colors, renderer)) for ax, shown, colors in drawn]
+    except ValueError as err:
+        raise SystemExit(f"{path}: the labels do not fit: {err}") from err
+    problems = layout_problems(fig) + label_problems(fig, labelled)
     if problems:
         raise SystemExit(f"{path}: the plot's layout is broken: {'; '.join(problems)}")
     fig.savefig(path, dpi=120)
