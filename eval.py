@@ -8,8 +8,6 @@ write the scores (JSON and a markdown table) into the run folder.
 from __future__ import annotations
 
 import logging
-import signal
-import sys
 from pathlib import Path
 
 import hydra
@@ -18,14 +16,11 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from cramming.config import register_configs, validate
-from cramming.errors import ConfigError, DataSourceError
 from cramming.eval.backbone import Backbone
 from cramming.eval.config import EvalRunConfig
-from cramming.eval.finetune import EvaluationStopped
 from cramming.eval.run import checkpoint_backbone, run_glue
-from cramming.model import KernelUnavailableError
 from cramming.model.checkpoint import resolve_checkpoint
-from cramming.runcard import JobFailed, RunCard, run_entry_point, run_job
+from cramming.runcard import RunCard, run_entry_point, run_job
 
 log = logging.getLogger("cramming")
 register_configs()
@@ -33,7 +28,8 @@ register_configs()
 
 @hydra.main(config_path="conf", config_name="eval", version_base="1.3")
 def main(cfg: DictConfig) -> float | None:
-    # the run card is written however the job ends; the GLUE average is what an Optuna search maximizes
+    # the run card is written however the job ends, and cramming.exits says how it ends (exit codes, signals);
+    # the GLUE average is what an Optuna search maximizes
     return run_job(evaluate, cfg, kind="eval")
 
 
@@ -52,24 +48,14 @@ def load_backbone(config: EvalRunConfig) -> tuple[Path, Backbone]:
 
 
 def evaluate(cfg: DictConfig, card: RunCard) -> float | None:
-    try:
-        config = validate(cfg, EvalRunConfig)
-        config.impl.apply_threads()
-        checkpoint, backbone = load_backbone(config)
-    except (ConfigError, FileNotFoundError, KernelUnavailableError) as err:
-        raise JobFailed(err, exit_code=2) from err
-    except ImportError as err:  # hf: without transformers installed
-        raise JobFailed(err, exit_code=2) from err
+    config = validate(cfg, EvalRunConfig)
+    config.impl.apply_threads()
+    checkpoint, backbone = load_backbone(config)
     log.info("evaluating %s on %s with %s", checkpoint, ", ".join(config.eval.tasks), config.eval.optim.name)
-    try:
-        hydra = HydraConfig.get()
-        sweep_job = hydra.job.num if hydra.mode == RunMode.MULTIRUN else None  # resume=true: its own number
-        report = run_glue(config, backbone, Path(hydra.runtime.output_dir), sweep_job=sweep_job)
-    except (ConfigError, DataSourceError, KernelUnavailableError) as err:  # e.g. a named task without data
-        raise JobFailed(err, exit_code=2) from err
-    except EvaluationStopped as stopped:  # the finished runs are kept in the run folder
-        log.info("interrupted; continue with: python eval.py name=%s resume=true ...", config.name)
-        sys.exit(128 + signal.Signals[stopped.signal_name])
+    hydra = HydraConfig.get()
+    sweep_job = hydra.job.num if hydra.mode == RunMode.MULTIRUN else None  # resume=true: its own number
+    # a stop signal ends it with EvaluationStopped, the finished runs kept in the run folder (cramming.exits)
+    report = run_glue(config, backbone, Path(hydra.runtime.output_dir), sweep_job=sweep_job)
     card.record_glue(checkpoint, report)
     return report["glue_average"]
 

@@ -6,23 +6,19 @@ Reads like the recipe: compose the config, prepare (or find) the data, train unt
 from __future__ import annotations
 
 import logging
-import signal
-import sys
 from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from cramming.cluster import hand_back_to_launcher
 from cramming.config import PretrainConfig, register_configs, validate
 from cramming.data import PretrainingData, prepare_pretraining_data
-from cramming.errors import ConfigError, DataSourceError
 from cramming.eval.anytime import AnytimeEval
-from cramming.model import KernelUnavailableError
-from cramming.runcard import JobFailed, RunCard, run_entry_point, run_job
+from cramming.exits import RunStopped, stop_at_once
+from cramming.runcard import RunCard, run_entry_point, run_job
 from cramming.train import distributed
-from cramming.train.loop import TrainingDiverged, TrainResult, train
+from cramming.train.loop import TrainResult, train
 from cramming.train.summary import summary
 
 log = logging.getLogger("cramming")
@@ -31,46 +27,38 @@ register_configs()
 
 @hydra.main(config_path="conf", config_name="pretrain", version_base="1.3")
 def main(cfg: DictConfig) -> float | None:
-    # the run card is written however the job ends; the validation loss is what an Optuna search minimizes
+    # the run card is written however the job ends, and cramming.exits says how it ends (exit codes, signals);
+    # the validation loss is what an Optuna search minimizes
     return run_job(pretrain, cfg, kind="pretrain")
 
 
 def pretrain(cfg: DictConfig, card: RunCard) -> float | None:
-    try:
-        config = validate(cfg)
-        ranks = distributed.init_from_env(config.impl)  # under torchrun: one process per GPU
-        # one process per machine preprocesses (or finds the cache); the others then load its result
-        with card.timed("data"), distributed.local_main_first(ranks):
-            data = prepare_pretraining_data(
-                config.data, config.data_cache_root, num_proc=config.impl.preprocessing_procs
-            )
-        # GLUE fine-tuning during pretraining, handed to the loop as a hook; its tasks are loaded now
-        hooks = (
-            [AnytimeEval(config.anytime, data, config.impl, config.data_cache_root / "hf")]
-            if config.anytime.at
-            else []
+    config = validate(cfg)
+    ranks = distributed.init_from_env(config.impl)  # under torchrun: one process per GPU
+    # one process per machine preprocesses (or finds the cache); the others then load its result. A stop
+    # signal here stops at once: the half-built data folder is removed and the card says interrupted
+    with card.timed("data"), distributed.local_main_first(ranks), stop_at_once("preprocessing"):
+        data = prepare_pretraining_data(
+            config.data, config.data_cache_root, num_proc=config.impl.preprocessing_procs
         )
-    except (ConfigError, DataSourceError) as err:
-        raise JobFailed(err, exit_code=2) from err
+    # GLUE fine-tuning during pretraining, handed to the loop as a hook; its tasks are loaded now
+    hooks = (
+        [AnytimeEval(config.anytime, data, config.impl, config.data_cache_root / "hf")]
+        if config.anytime.at
+        else []
+    )
     card.record_pretraining_data(data.path, data.stats, data.vocab_size)
     if config.dryrun:
         log.info("dryrun: data ready at %s; exiting before training", data.path)
         return None
     # the budget clock starts inside train(): preprocessing above does not count against it
     run_dir = distributed.rank_zero_value(ranks, Path(HydraConfig.get().runtime.output_dir))  # one for all
-    try:
-        with card.timed("train"):
-            result = train(config, data, run_dir, hooks=hooks)
-        distributed.shutdown()
-    except (ConfigError, DataSourceError, KernelUnavailableError) as err:
-        raise JobFailed(err, exit_code=2) from err
-    except TrainingDiverged as err:
-        raise JobFailed(err, exit_code=3) from err
+    with card.timed("train"):
+        result = train(config, data, run_dir, hooks=hooks)
+    distributed.shutdown()
     card.record_pretraining(result)
-    if result.checkpoint is None:  # stopped by a signal, after saving a resumable state
-        hand_back_to_launcher(result.stop_reason)  # a cluster job: requeued, continues from its folder
-        log.info("interrupted; continue with: python pretrain.py name=%s resume=true ...", config.name)
-        sys.exit(128 + signal.Signals[result.stop_reason])
+    if result.checkpoint is None:  # stopped by a signal, after saving a resumable state (cramming.exits)
+        raise RunStopped(result.stop_reason, f"a resumable state is saved in {run_dir}")
     if ranks.is_main:
         log.info("\n%s", summarize(config, result, data))
     return (result.validation or {}).get("loss")

@@ -14,6 +14,24 @@ class DataSourceError(RuntimeError):
     """Raw data could not be read (no network, missing files, wrong field name)."""
 
 
+class TrainingDiverged(RuntimeError):
+    """The loss stayed non-finite for train.max_nonfinite_updates updates in a row."""
+
+
+class WriteFailed(RuntimeError):
+    """A file could not be written (a full disk, a folder without write permission); the message names the file,
+    the space needed where it is known, and says what was kept: the previous state or checkpoint stays."""
+
+
+class RunStopped(Exception):
+    """A job stopped by a signal after keeping what it had (pretraining: a resumable state; evaluation: the
+    finished runs). The entry point ends with cramming.exits.end_stopped."""
+
+    def __init__(self, signal_name: str, what: str = "stopped"):
+        super().__init__(f"{signal_name} received: {what}")
+        self.signal_name = signal_name
+
+
 def config_error(key: str, value: Any, fix: str) -> ConfigError:
     return ConfigError(f"bad value for `{key}`: {value!r}. {fix}")
 

@@ -41,6 +41,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from cramming import exits
 from cramming.errors import ConfigError
 from cramming.impl import DEVICES, DTYPES, ImplConfig, cpu_bf16_support
 from cramming.utils import atomic_write_text, process_rank
@@ -73,10 +74,9 @@ PACKAGES = (
 
 
 class JobFailed(Exception):
-    """A run failed for a reason its message explains (a bad config, missing data, a diverged loss).
-
-    exit_code is the exit status of a single run; in a multirun the card records the failure instead.
-    """
+    """A run failed for a reason its message explains, with the exit status of a single run; in a multirun the
+    card records the failure instead. (The failures of cramming.exits.FAILURES need no wrapping: run_job
+    gives them their status.)"""
 
     def __init__(self, error: BaseException | str, exit_code: int = 1):
         super().__init__(str(error))
@@ -283,10 +283,12 @@ def run_job(task: Callable[[DictConfig, RunCard], float | None], cfg: DictConfig
     """Run one Hydra job's `task(cfg, card)` inside its run card, written however the job ends. Returns what
     the task returns (the objective an Optuna sweeper reads), None when the job failed.
 
-    JobFailed: logged; a single run exits with its exit_code, a multirun job is recorded as failed and the
-    sweep goes on. Any other exception: a single run raises it (traceback, non-zero exit); a multirun job
-    logs it and is recorded as failed. SystemExit and KeyboardInterrupt (an interrupted run) always end
-    the process: a stopped sweep stops.
+    How the job ends is decided in cramming.exits: a failure an input explains (exits.exit_code, or a
+    JobFailed) is logged as one message; a single run exits with its status, a multirun job is recorded as
+    failed and the sweep goes on. Any other exception is a bug: a single run raises it (traceback, exit 1), a
+    multirun job logs it and is recorded as failed. A job stopped by a signal (RunStopped) is recorded as
+    interrupted and ends the process (exits.end_stopped), as SystemExit and KeyboardInterrupt do: a stopped
+    sweep stops.
     """
     card = card_for_hydra_job(kind, cfg)
     card.write()
@@ -294,17 +296,22 @@ def run_job(task: Callable[[DictConfig, RunCard], float | None], cfg: DictConfig
     multirun = card.job.get("multirun", False)
     try:
         objective = task(cfg, card)
-    except JobFailed as err:
+    except exits.RunStopped as stopped:
+        card.end("interrupted", card.error or str(stopped))
+        exits.end_stopped(stopped, f"python {kind}.py name={cfg.get('name')} resume=true ...")
+    except Exception as err:
+        code = err.exit_code if isinstance(err, JobFailed) else exits.exit_code(err)
+        if code is None:
+            card.end("failed", f"{type(err).__name__}: {err}\n{traceback.format_exc(limit=-8)}")
+            if not multirun:
+                raise
+            log.exception("job %s failed; the sweep goes on", card.job.get("num"))
+            return None
         log.error("%s", err)
         card.end("failed", str(err))
         if not multirun:
-            sys.exit(err.exit_code)
+            sys.exit(code)
         log.error("job %s failed; the sweep goes on", card.job.get("num"))
-    except Exception as err:
-        card.end("failed", f"{type(err).__name__}: {err}\n{traceback.format_exc(limit=-8)}")
-        if not multirun:
-            raise
-        log.exception("job %s failed; the sweep goes on", card.job.get("num"))
     except BaseException:
         card.end("interrupted")
         raise
@@ -315,15 +322,11 @@ def run_job(task: Callable[[DictConfig, RunCard], float | None], cfg: DictConfig
     return None
 
 
-# exit status of a run whose configuration is wrong (README: exit codes)
-CONFIG_EXIT = 2
-
-
 def run_entry_point(hydra_main: Callable[[], None]) -> None:
     """Call an entry point's @hydra.main function so that a configuration Hydra rejects before the job starts
     (a misspelled key, an unknown group option, a value of the wrong type, a bad `name` or `base_dir` met
-    while claiming the run folder) exits with CONFIG_EXIT and its message, like the configuration errors the
-    job itself finds. Errors of the job keep their exit status (run_job); a crash keeps its traceback.
+    while claiming the run folder) exits with exits.USER_ERROR and its message, like the configuration errors
+    the job itself finds. Errors of the job keep their exit status (run_job); a crash keeps its traceback.
 
     Hydra is told (HYDRA_FULL_ERROR, unless the user set it) to pass its errors on rather than exit 1."""
     os.environ.setdefault("HYDRA_FULL_ERROR", "1")
@@ -331,7 +334,7 @@ def run_entry_point(hydra_main: Callable[[], None]) -> None:
         hydra_main()
     except (HydraException, OmegaConfBaseException, ConfigError) as err:
         log.error("configuration error: %s", _config_message(err))
-        sys.exit(CONFIG_EXIT)
+        sys.exit(exits.USER_ERROR)
 
 
 def _config_message(err: BaseException) -> str:

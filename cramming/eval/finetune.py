@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from tokenizers import Tokenizer
 
 from cramming.budget import BudgetClock
+from cramming.errors import RunStopped
 from cramming.eval.backbone import Backbone
 from cramming.eval.config import EvalConfig
 from cramming.eval.glue_metric import load_glue_metric
@@ -42,14 +43,13 @@ from cramming.utils import peak_memory_bytes, seed_everything
 log = logging.getLogger("cramming")
 
 
-class EvaluationStopped(Exception):
+class EvaluationStopped(RunStopped):
     """A stop signal (SIGINT, SIGTERM, SIGUSR2: cramming.train.signals) ended the fine-tuning after an update.
 
     The runs finished before it are on disk (run_glue's glue_runs.json); the one under way is dropped."""
 
     def __init__(self, signal_name: str):
-        super().__init__(f"{signal_name} received: fine-tuning stopped")
-        self.signal_name = signal_name
+        super().__init__(signal_name, "fine-tuning stopped")
 
 
 @dataclass

@@ -10,7 +10,6 @@ from dataclasses import asdict
 from pathlib import Path
 
 from cramming.budget import BudgetClock
-from cramming.cluster import hand_back_to_launcher
 from cramming.errors import ConfigError, DataSourceError
 from cramming.eval.backbone import Backbone
 from cramming.eval.config import EvalRunConfig
@@ -187,8 +186,8 @@ def finetune_keeping_runs(
     """finetune_tasks on every seed of cfg.eval.seeds, rewriting RUNS_JSON after each finished (task, seed).
 
     A stop signal is only noted while the runs go (cramming.train.signals) and acted on after an update, never
-    inside whatever code it lands in; submitit's handler is back in place before the job is handed back for a
-    requeue (SIGUSR2 in a cluster job), and a plain run exits 128 + the signal (eval.py)."""
+    inside whatever code it lands in: EvaluationStopped, raised once submitit's handler is back in place, so
+    that the entry point can hand a cluster job back for a requeue or exit 128 + the signal (cramming.exits)."""
     seeds = [cfg.seed + seed for seed in cfg.eval.seeds]
     finished: list[dict] = []
 
@@ -208,8 +207,7 @@ def finetune_keeping_runs(
     log.warning(
         "%s: %d finished (task, seed) runs are kept in %s", interrupted, len(finished), run_dir / RUNS_JSON
     )
-    hand_back_to_launcher(interrupted.signal_name)  # a cluster job: requeued, takes up its finished runs
-    raise interrupted
+    raise interrupted  # a cluster job is requeued and takes up its finished runs (cramming.exits.end_stopped)
 
 
 def glue_report(

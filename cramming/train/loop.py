@@ -32,7 +32,7 @@ from torch import nn
 
 from cramming.budget import BudgetClock
 from cramming.data import PretrainingData
-from cramming.errors import ConfigError
+from cramming.errors import ConfigError, TrainingDiverged
 from cramming.model import ArchConfig, build_model, count_parameters
 from cramming.model import checkpoint as model_checkpoint
 from cramming.optim import build_optimizer, format_state_report, optimizer_state_report
@@ -53,10 +53,6 @@ if TYPE_CHECKING:  # annotations only: the top-level schema also knows eval/, wh
 
 log = logging.getLogger("cramming")
 STATE_VERSION = 2  # 2: masks keyed by stream row (no masking RNG), the train step's scaler
-
-
-class TrainingDiverged(RuntimeError):
-    """The loss stayed non-finite for train.max_nonfinite_updates updates in a row."""
 
 
 @dataclass

@@ -1,0 +1,78 @@
+"""How a job ends, in one place for pretrain.py, eval.py and scripts/export_hf.py: the exit status of each kind
+of failure (the table in docs/exit-codes.md), and what a job stopped by a signal does.
+
+A failure a user can fix exits with one message naming the input, the problem and the fix, never a
+traceback; a traceback (exit 1) is kept for what no input explains: a bug.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import NoReturn
+
+from cramming.cluster import hand_back_to_launcher
+from cramming.errors import ConfigError, DataSourceError, RunStopped, TrainingDiverged, WriteFailed
+from cramming.model.ops import KernelUnavailableError
+from cramming.train.signals import STOP_SIGNALS
+
+__all__ = ["FAILURES", "RunStopped", "end_stopped", "exit_code", "stop_at_once"]
+
+log = logging.getLogger("cramming")
+
+UNEXPECTED = 1  # a bug: the traceback is kept
+USER_ERROR = 2  # a configuration, data, checkpoint or kernel error: the message names the fix
+DIVERGED = 3  # the loss stayed non-finite (train.max_nonfinite_updates updates in a row)
+WRITE_FAILED = 4  # a file could not be written (a full disk): the previous state and checkpoint are kept
+SIGNAL_BASE = 128  # + the signal's number: stopped by SIGINT/SIGTERM/SIGUSR2 after keeping what it had
+
+# the failures an input explains, by class; the first that matches gives the exit status
+FAILURES: tuple[tuple[type[BaseException], int], ...] = (
+    (TrainingDiverged, DIVERGED),
+    (WriteFailed, WRITE_FAILED),
+    (ConfigError, USER_ERROR),
+    (DataSourceError, USER_ERROR),
+    (KernelUnavailableError, USER_ERROR),
+    (FileNotFoundError, USER_ERROR),  # a checkpoint or folder named that is not there
+    (ModuleNotFoundError, USER_ERROR),  # an optional package a setting needs (transformers for hf:)
+)
+
+
+def exit_code(err: BaseException) -> int | None:
+    """The exit status of a failure an input explains, or None for a bug."""
+    for kind, code in FAILURES:
+        if isinstance(err, kind):
+            return code
+    return None
+
+
+def end_stopped(stopped: RunStopped, resume: str) -> NoReturn:
+    """Hand a cluster job back to its launcher to be requeued (SIGUSR2 under submitit: it continues from its
+    folder), else exit 128 + the signal, saying how to continue."""
+    hand_back_to_launcher(stopped.signal_name)
+    log.info("interrupted; continue with: %s", resume)
+    sys.exit(SIGNAL_BASE + signal.Signals[stopped.signal_name])
+
+
+@contextmanager
+def stop_at_once(what: str) -> Iterator[None]:
+    """For work without a safe point to stop at (preprocessing): a stop signal raises RunStopped where it lands,
+    so the work's own clean-up runs (a half-built data folder is removed) and the run card says interrupted.
+    Without this, SIGTERM's default action ends the process before any of that."""
+
+    def handle(signum, frame) -> None:
+        raise RunStopped(signal.Signals(signum).name, f"{what} stopped; nothing of it is kept")
+
+    if threading.current_thread() is not threading.main_thread():  # handlers can only be set from there
+        yield
+        return
+    previous = {name: signal.signal(signal.Signals[name], handle) for name in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for name, handler in previous.items():
+            signal.signal(signal.Signals[name], handler)
