@@ -57,9 +57,11 @@ def test_tasks_absent_here_are_reported_missing(glue_dir, name):
     [
         ("RTE", "index\tsentence1\tsentence2\tlabel\n0\ta\tb\tentailment\n1\ta\tb\tmaybe\n",
          r"train.tsv:3 label 'maybe' is not one of"),
-        ("RTE", "index\tsentence1\tsentence2\tlabel\n0\ta\tb\n", r"train.tsv:2 has 3 fields, expected 4"),
+        ("RTE", "index\tsentence1\tsentence2\tlabel\n0\ta\tb\n1\ta\tb\tentailment\n",
+         r"train.tsv:2 has 3 fields, expected 4"),
         ("STS-B", "index\tgenre\tfilename\tyear\told_index\tsource1\tsource2\tsentence1\tsentence2\tscore\n"
-         "0\tg\tf\ty\to\ts\ts\ta\tb\tabc\n", r"train.tsv:2 score 'abc' is not a number"),
+         "0\tg\tf\ty\to\ts\ts\ta\tb\tabc\n1\tg\tf\ty\to\ts\ts\ta\tb\t2.5\n",
+         r"train.tsv:2 score 'abc' is not a number"),
     ],
 )  # fmt: skip
 def test_a_bad_row_names_file_and_line_and_can_be_skipped(tmp_path, task, content, message):
@@ -71,6 +73,16 @@ def test_a_bad_row_names_file_and_line_and_can_be_skipped(tmp_path, task, conten
     rows = read_tsv(path, GLUE_TASKS[task], bad_rows)
     assert len(bad_rows) == 1 and str(path) in bad_rows[0]
     assert len(rows) == content.count("\n") - 2
+
+
+@pytest.mark.parametrize(
+    "content", ["index\tsentence1\tsentence2\tlabel\n", "index\tsentence1\tsentence2\tlabel\n0\ta\tb\n"]
+)
+def test_a_file_without_examples_fails_naming_it(tmp_path, content):
+    path = tmp_path / "train.tsv"
+    path.write_text(content)  # a header only; or, with bad rows skipped, nothing left
+    with pytest.raises(DataSourceError, match=r"train.tsv has no examples"):
+        read_tsv(path, GLUE_TASKS["RTE"], bad_rows=[])
 
 
 def test_a_header_without_the_label_column_fails_even_when_skipping_rows(tmp_path):

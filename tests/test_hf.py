@@ -381,7 +381,7 @@ def test_missing_transformers_says_how_to_install(monkeypatch):
 
 
 @pytest.mark.slow  # a second Python process importing torch and transformers
-def test_export_script_finds_a_run_by_name(crammed, tmp_path):
+def test_export_script_finds_a_run_by_name(crammed, tmp_path, capsys):
     _, checkpoint, _ = crammed
     run = tmp_path / "outputs" / "demo" / "2026-01-01_00-00-00"  # {base_dir}/{name}/{start time}/checkpoint
     shutil.copytree(checkpoint, run / "checkpoint")
@@ -392,8 +392,10 @@ def test_export_script_finds_a_run_by_name(crammed, tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     assert (tmp_path / "hf" / "config.json").is_file()
     assert "trust_remote_code=True" in done.stdout and "checkpoint=hf:" in done.stdout
-    with pytest.raises(SystemExit, match="export failed: no checkpoint at nosuch"):  # one clear line
+    with pytest.raises(SystemExit) as ended:  # one clear line, the exit code of a user's error
         export_main(["nosuch", str(tmp_path / "hf2"), "--base-dir", str(tmp_path / "outputs")])
+    assert ended.value.code == 2
+    assert "export failed: no checkpoint at nosuch" in capsys.readouterr().err
 
 
 def tiny_bert_folder(folder: Path) -> Path:

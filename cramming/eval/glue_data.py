@@ -49,6 +49,24 @@ def read_tsv(path: Path, task: GlueTask, bad_rows: list[str] | None = None) -> d
     A bad row (too few fields, a label outside the task's labels, a score that is not a number) raises
     DataSourceError naming the file and line; with a `bad_rows` list it is skipped and described there
     instead. A header without the task's columns always raises: no row of such a file can be read."""
+    try:
+        rows = _read_rows(path, task, bad_rows)
+    except (UnicodeDecodeError, OSError) as err:
+        raise DataSourceError(
+            f"{path} does not read as UTF-8 text ({type(err).__name__}: {err}): copy the task's file again, or"
+            f" leave {task.name} out of eval.tasks"
+        ) from err
+    if not rows["label"]:
+        skipped = " (every row was a bad row, skipped)" if bad_rows else ""
+        raise DataSourceError(
+            f"{path} has no examples{skipped}: a header at most. Copy the task's file again, or leave"
+            f" {task.name} out of eval.tasks"
+        )
+    return datasets.Dataset.from_dict(rows, features=_features(task))
+
+
+def _read_rows(path: Path, task: GlueTask, bad_rows: list[str] | None) -> dict[str, list]:
+    """The columns text_a, text_b and label of read_tsv's file."""
     layout = task.tsv
     rows: dict[str, list] = {"text_a": [], "text_b": [], "label": []}
     with open(path, encoding="utf-8-sig", newline="") as f:  # -sig: MRPC's files start with a byte-order mark
@@ -76,7 +94,7 @@ def read_tsv(path: Path, task: GlueTask, bad_rows: list[str] | None = None) -> d
             rows["text_a"].append(fields[col[layout.text_a]])
             rows["text_b"].append(fields[col[layout.text_b]] if layout.text_b else "")
             rows["label"].append(label)
-    return datasets.Dataset.from_dict(rows, features=_features(task))
+    return rows
 
 
 class BadRow(ValueError):

@@ -16,7 +16,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
+import sys
+import tempfile
 from dataclasses import asdict
 from pathlib import Path
 
@@ -26,6 +29,7 @@ from torch import nn
 from transformers import BertConfig, BertForMaskedLM, BertForSequenceClassification, PreTrainedModel
 
 from cramming.data.tokenizer import SpecialTokens
+from cramming.errors import ConfigError, WriteFailed
 from cramming.hf import modeling_crammed_bert as crammed
 from cramming.model.checkpoint import (
     MODEL_CONFIG,
@@ -85,7 +89,7 @@ BERT_ARCH = {
 }
 
 
-class ExportError(ValueError):
+class ExportError(ConfigError):
     """The checkpoint or the requested format cannot be written as a transformers folder; says why."""
 
 
@@ -259,11 +263,34 @@ def _write_tokenizer(tokenizer: Tokenizer, special: SpecialTokens, out: Path, ma
 def _save(
     model: PreTrainedModel, tokenizer: Tokenizer, special: SpecialTokens, out: Path, max_length: int
 ) -> Path:
-    """Write the folder; refuses a non-empty `out` rather than mixing two models' files."""
+    """Write the folder; refuses a non-empty `out` rather than mixing two models' files. Written into a
+    temporary sibling folder and renamed, so a failed export (a full disk) leaves no half-written model."""
     out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise ExportError(f"{out} is a file, not a folder: give a folder path (new or empty) to export into")
     if out.exists() and any(out.iterdir()):
         raise ExportError(f"output folder {out} is not empty: remove it or choose another")
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        partial = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.", suffix=".partial"))
+    except OSError as err:
+        raise ExportError(
+            f"cannot create the output folder {out} ({err.strerror}): choose another path"
+        ) from err
+    try:
+        _write_folder(model, tokenizer, special, partial, max_length)
+        partial.chmod(0o755)  # mkdtemp's folder is private
+        os.replace(partial, out)  # onto a missing or empty folder
+    except OSError as err:
+        raise WriteFailed(f"could not write the export to {out}: {err}. Nothing was left there") from err
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
+    return out
+
+
+def _write_folder(
+    model: PreTrainedModel, tokenizer: Tokenizer, special: SpecialTokens, out: Path, max_length: int
+) -> None:
     if isinstance(model.config, crammed.CrammedBertConfig):
         module = MODELING_FILE.stem
         model.config.auto_map = {
@@ -275,7 +302,6 @@ def _save(
         shutil.copyfile(MODELING_FILE, out / MODELING_FILE.name)
     model.save_pretrained(out)
     _write_tokenizer(tokenizer, special, out, max_length)
-    return out
 
 
 def to_transformers(
@@ -393,8 +419,14 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     try:
         out = to_transformers(args.checkpoint, args.out, base_dir=args.base_dir, format=args.format)
-    except (ExportError, FileNotFoundError) as err:
-        raise SystemExit(f"export failed: {err}") from err
+    except Exception as err:
+        from cramming import exits  # the command line's exit codes, those of pretrain.py and eval.py
+
+        code = exits.exit_code(err)
+        if code is None:  # a bug: its traceback
+            raise
+        print(f"export failed: {err}", file=sys.stderr)
+        sys.exit(code)
     remote = (out / MODELING_FILE.name).is_file()
     flag = ", trust_remote_code=True" if remote else ""
     print(f"wrote {out}")

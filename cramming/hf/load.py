@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import inspect
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -17,7 +19,9 @@ from torch import nn
 from transformers import AutoConfig, AutoModel, AutoModelForMaskedLM, PretrainedConfig
 
 import cramming.hf  # noqa: F401  (registers crammed_bert: our own exports need no remote code)
+from cramming.errors import ConfigError
 from cramming.eval.backbone import Backbone
+from cramming.model.checkpoint import CheckpointUnreadable
 
 
 class HFEncoder(nn.Module):
@@ -74,11 +78,27 @@ def load_tokenizer(folder: Path) -> Tokenizer:
     for what, encoding in (("a sentence", single), ("a pair", pair)):
         mask = encoding.special_tokens_mask
         if not mask or not (mask[0] and mask[-1]):
-            raise ValueError(
+            raise ConfigError(
                 f"{path}: its post-processor does not put special tokens around {what} ({encoding.tokens}):"
                 " fine-tuning classifies from the first token and needs [CLS] a [SEP] (b [SEP])"
             )
     return tokenizer
+
+
+@contextmanager
+def naming(path: Path, what: str = "") -> Iterator[None]:
+    """Turn a failure to read `path` (JSON that does not parse, weights that do not load, ...) into a
+    CheckpointUnreadable naming the file and the fix; errors that already say so pass through."""
+    try:
+        yield
+    except (ConfigError, FileNotFoundError, ImportError):
+        raise
+    except Exception as err:
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise CheckpointUnreadable(
+            f"{path}{' (' + what + ')' if what else ''} does not load ({type(err).__name__}: {reason}): the"
+            " transformers folder is damaged or incomplete. Save or copy it again, or evaluate another model"
+        ) from err
 
 
 def _dropout(config: PretrainedConfig) -> float:
@@ -100,14 +120,18 @@ def load_hf_backbone(
     folder = Path(folder)
     if not (folder / "config.json").is_file():
         raise FileNotFoundError(f"{folder} is no transformers model folder: it has no config.json")
-    tokenizer = load_tokenizer(folder)
-    config = AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
-    model = _base_model(folder, config, trust_remote_code).float()
+    with naming(folder / "tokenizer.json"):
+        tokenizer = load_tokenizer(folder)
+    with naming(folder / "config.json"):
+        config = AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
+    with naming(folder, "its weights"):
+        model = _base_model(folder, config, trust_remote_code).float()
     pad_id = config.pad_token_id if getattr(config, "pad_token_id", None) is not None else None
     if pad_id is None:
-        pad_id = _special_token(folder, tokenizer, "pad", "[PAD]")
+        with naming(folder / "tokenizer_config.json"):
+            pad_id = _special_token(folder, tokenizer, "pad", "[PAD]")
     if pad_id is None:
-        raise ValueError(f"{folder}: no pad token in config.json (pad_token_id) nor in the tokenizer")
+        raise ConfigError(f"{folder}: no pad token in config.json (pad_token_id) nor in the tokenizer")
     info = {
         "source": "transformers",
         "path": str(folder.resolve()),
