@@ -27,9 +27,10 @@ class RunStopped(Exception):
     """A job stopped by a signal after keeping what it had (pretraining: a resumable state; evaluation: the
     finished runs). The entry point ends with cramming.exits.end_stopped."""
 
-    def __init__(self, signal_name: str, what: str = "stopped"):
+    def __init__(self, signal_name: str, what: str = "stopped", resumable: bool = True):
         super().__init__(f"{signal_name} received: {what}")
         self.signal_name = signal_name
+        self.resumable = resumable  # False: nothing was kept, the same command starts again
 
 
 def config_error(key: str, value: Any, fix: str) -> ConfigError:

@@ -65,7 +65,9 @@ def stop_at_once(what: str) -> Iterator[None]:
     Without this, SIGTERM's default action ends the process before any of that."""
 
     def handle(signum, frame) -> None:
-        raise RunStopped(signal.Signals(signum).name, f"{what} stopped; nothing of it is kept")
+        raise RunStopped(
+            signal.Signals(signum).name, f"{what} stopped; nothing of it is kept", resumable=False
+        )
 
     if threading.current_thread() is not threading.main_thread():  # handlers can only be set from there
         yield

@@ -42,7 +42,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from cramming import exits
-from cramming.errors import ConfigError
+from cramming.errors import ConfigError, WriteFailed
 from cramming.impl import DEVICES, DTYPES, ImplConfig, cpu_bf16_support
 from cramming.utils import atomic_write_text, process_rank
 
@@ -156,9 +156,12 @@ class RunCard:
         with self._lock:  # the heartbeat thread writes too
             if self.finished is None:
                 self.heartbeat = _now()
-            atomic_write_text(
-                self.run_dir / RUN_CARD, json.dumps(self.to_dict(), indent=2, default=str) + "\n"
-            )
+            try:
+                atomic_write_text(
+                    self.run_dir / RUN_CARD, json.dumps(self.to_dict(), indent=2, default=str) + "\n"
+                )
+            except WriteFailed as err:  # a full disk: the job's own outcome matters more than its card
+                log.warning("run card not written: %s", err)
 
     def start_heartbeat(self, every: float = HEARTBEAT_SECONDS) -> None:
         """Rewrite the card every `every` seconds until end(): how a reader on another machine tells a job
@@ -169,10 +172,7 @@ class RunCard:
 
         def beat() -> None:
             while not stop.wait(every):
-                try:
-                    self.write()
-                except OSError as err:  # a full or unreachable disk: the job goes on, the card ages
-                    log.warning("run card heartbeat not written: %s", err)
+                self.write()  # a full or unreachable disk: a warning, the job goes on, the card ages
 
         threading.Thread(target=beat, name="run-card-heartbeat", daemon=True).start()
 
@@ -298,7 +298,8 @@ def run_job(task: Callable[[DictConfig, RunCard], float | None], cfg: DictConfig
         objective = task(cfg, card)
     except exits.RunStopped as stopped:
         card.end("interrupted", card.error or str(stopped))
-        exits.end_stopped(stopped, f"python {kind}.py name={cfg.get('name')} resume=true ...")
+        resume = f"python {kind}.py name={cfg.get('name')} resume=true ..." if stopped.resumable else None
+        exits.end_stopped(stopped, resume or card.job["command"])
     except Exception as err:
         code = err.exit_code if isinstance(err, JobFailed) else exits.exit_code(err)
         if code is None:

@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import signal
+from pathlib import Path
 
 import pytest
 import torch
@@ -22,7 +23,8 @@ from test_train import (
 from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
 
-from cramming.errors import ConfigError
+from cramming import utils
+from cramming.errors import ConfigError, WriteFailed
 from cramming.model import BertForMLM, build_model
 from cramming.model import checkpoint as model_checkpoint
 from cramming.train import checkpoint, loop
@@ -154,7 +156,7 @@ def test_resume_with_another_arch_fails_clearly(tmp_path, monkeypatch):
     loop.train(cfg, synthetic_data(tmp_path), run_dir(cfg))
     monkeypatch.undo()
     other = make_config(tmp_path, "budget=0.1", "resume=true", "arch.num_layers=3")
-    with pytest.raises(ConfigError, match="another arch"):
+    with pytest.raises(ConfigError, match="arch.num_layers: 2 there, 3 here"):
         loop.train(other, synthetic_data(tmp_path), run_dir(other, "2026-01-01_00-00-01"))
 
 
@@ -302,6 +304,58 @@ def test_saving_a_state_keeps_the_previous_one_and_leaves_no_temporary_file(tmp_
     assert checkpoint.load_state(path)["version"] == 3
     assert checkpoint.load_state(tmp_path / checkpoint.PREVIOUS)["version"] == 2
     assert sorted(p.name for p in tmp_path.iterdir()) == [checkpoint.PREVIOUS, checkpoint.STATE]
+
+
+def _disk_full_midway(obj, f, *args, **kwargs):
+    f.write(b"PK\x03\x04 the first bytes of a state")  # part of the file reaches the disk, then:
+    raise RuntimeError("[enforce fail at inline_container.cc:783] . PytorchStreamWriter failed writing file")
+
+
+def test_a_state_save_that_fails_midway_keeps_the_last_good_state(tmp_path, monkeypatch):
+    path = tmp_path / checkpoint.STATE
+    for version in (1, 2):
+        checkpoint.save_state(path, {"version": version, "weights": torch.ones(4)})
+    monkeypatch.setattr(checkpoint.torch, "save", _disk_full_midway)
+    with pytest.raises(WriteFailed, match=r"could not write the resumable state .* is kept"):
+        checkpoint.save_state(path, {"version": 3, "weights": torch.zeros(4)})
+    assert checkpoint.load_state(path)["version"] == 2
+    assert checkpoint.load_state(tmp_path / checkpoint.PREVIOUS)["version"] == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == [checkpoint.PREVIOUS, checkpoint.STATE]
+
+
+def test_a_save_without_the_space_for_it_writes_nothing_and_names_the_space(tmp_path, monkeypatch):
+    path = tmp_path / checkpoint.STATE
+    checkpoint.save_state(path, {"version": 1, "weights": torch.ones(4)})
+    free = utils.SPACE_MARGIN_BYTES + 1000  # less than the margin and a 64 MiB state
+    monkeypatch.setattr(utils.shutil, "disk_usage", lambda folder: shutil_usage(free))
+    with pytest.raises(WriteFailed, match=r"needs about 80 MiB .* 16 MiB free.* base_dir"):
+        checkpoint.save_state(path, {"version": 2, "weights": torch.zeros(16 << 20)})
+    assert checkpoint.load_state(path)["version"] == 1
+
+
+def shutil_usage(free: int):
+    import shutil
+
+    return shutil._ntuple_diskusage(total=10 * free, used=9 * free, free=free)
+
+
+def test_a_checkpoint_save_that_fails_midway_keeps_the_checkpoint_before(tmp_path, monkeypatch):
+    cfg, model, directory = save_tiny(tmp_path)
+    before = {name: file.read_bytes() for name, file in _files(directory).items()}
+
+    def fails(model, filename, *args, **kwargs):
+        Path(filename).write_bytes(b"half a file")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(model_checkpoint, "save_model", fails)
+    with pytest.raises(WriteFailed, match="checkpoint already in .* is kept"):
+        save_tiny(tmp_path, model)
+    assert {name: file.read_bytes() for name, file in _files(directory).items()} == before
+    assert [p.name for p in directory.parent.iterdir() if p.name.endswith(".partial")] == []
+
+
+def _files(directory: Path) -> dict[str, Path]:
+    return {p.name: p for p in directory.iterdir()}
 
 
 @pytest.mark.parametrize("damaged", [model_checkpoint.WEIGHTS, model_checkpoint.MODEL_CONFIG])

@@ -35,6 +35,7 @@ from tokenizers import Tokenizer
 from cramming.data.sources import load_raw_corpus, source_fingerprint
 from cramming.data.tokenizer import SpecialTokens, build_normalizer, train_tokenizer
 from cramming.errors import DataSourceError
+from cramming.utils import process_alive
 
 if TYPE_CHECKING:  # config.py takes its choice list from ORDERINGS
     from cramming.data.config import DataConfig
@@ -424,8 +425,23 @@ def _procs_for(megabytes: float, num_proc: int) -> int:
     return max(1, min(num_proc, int(megabytes * 1e6 // CHARS_PER_PROC) + 1))
 
 
+def remove_abandoned_builds(path: Path) -> list[Path]:
+    """Delete the `.{name}.building-<pid>` folders of `path` whose process is gone (killed outright while it
+    preprocessed); a build still running on this machine is left alone."""
+    removed = []
+    for folder in path.parent.glob(f".{path.name}.building-*"):
+        pid = folder.name.rpartition("-")[2]
+        if pid.isdigit() and not process_alive(int(pid)):
+            shutil.rmtree(folder, ignore_errors=True)
+            removed.append(folder)
+    if removed:
+        log.info("removed %d abandoned preprocessing folder(s): %s", len(removed), [str(p) for p in removed])
+    return removed
+
+
 def _build(cfg: DataConfig, path: Path, hf_cache: Path, num_proc: int) -> None:
     """Read, clean, train the tokenizer, tokenize and pack into a private folder, then publish it as `path`."""
+    remove_abandoned_builds(path)
     build_dir = path.with_name(f".{path.name}.building-{os.getpid()}")
     scratch = build_dir / "scratch"
     scratch.mkdir(parents=True, exist_ok=True)

@@ -22,15 +22,16 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from safetensors import SafetensorError
 from safetensors.torch import load_model, save_model
 from tokenizers import Tokenizer
 from torch import nn
 
-from cramming.errors import ConfigError
+from cramming.errors import ConfigError, WriteFailed
 from cramming.model.bert import BertForMLM
 from cramming.model.build import build_model
 from cramming.model.config import ArchConfig
-from cramming.utils import newest_run_dir
+from cramming.utils import check_free_space, newest_run_dir, tensor_bytes
 
 CHECKPOINT_DIR = "checkpoint"
 WEIGHTS = "model.safetensors"
@@ -58,14 +59,27 @@ def save_pretrained(
     Written into a sibling temporary folder first and renamed, so a reader never finds half a checkpoint.
     """
     directory = Path(directory)
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    # a temporary folder of this call's own: two saves into the same place never write into each other
-    partial = Path(tempfile.mkdtemp(dir=directory.parent, prefix=f".{directory.name}.", suffix=".partial"))
+    kept = (
+        f"the checkpoint already in {directory} is kept"
+        if directory.exists()
+        else "no checkpoint was written"
+    )
+    check_free_space(directory.parent, tensor_bytes(unwrap(model).state_dict()), "the checkpoint", kept)
+    try:
+        directory.parent.mkdir(parents=True, exist_ok=True)
+        # a temporary folder of this call's own: two saves into the same place never write into each other
+        partial = Path(
+            tempfile.mkdtemp(dir=directory.parent, prefix=f".{directory.name}.", suffix=".partial")
+        )
+    except OSError as err:
+        raise WriteFailed(f"could not write the checkpoint {directory}: {err}") from err
     partial.chmod(0o755)  # mkdtemp's folder is private (0700); a checkpoint is read by others too
     try:
         _write_checkpoint(model, partial, tokenizer, seq_length=seq_length, special=special, info=info)
         shutil.rmtree(directory, ignore_errors=True)
         os.replace(partial, directory)
+    except (OSError, SafetensorError) as err:  # a full disk mid-write: the old folder is only replaced after
+        raise WriteFailed(f"could not write the checkpoint {directory} ({err}); {kept}") from err
     finally:
         shutil.rmtree(partial, ignore_errors=True)
     return directory

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import torch
 
-from cramming.errors import ConfigError
-from cramming.utils import atomic_file, newest_run_dir
+from cramming.errors import ConfigError, WriteFailed
+from cramming.utils import atomic_file, check_free_space, newest_run_dir, process_alive, tensor_bytes
 
 log = logging.getLogger("cramming")
 
@@ -34,10 +34,19 @@ def save_state(path: str | Path, state: dict) -> None:
     the new state is written to a temporary file, the current one is linked to state.prev.pt, then the new
     one replaces it."""
     path = Path(path)
+    kept = (
+        f"the last saved state ({path.name}, {PREVIOUS}) is kept" if path.exists() else "no state was saved"
+    )
+    # the new state is written beside the last two (state.pt, state.prev.pt): its own size is what is needed
+    check_free_space(path.parent, tensor_bytes(state), "the resumable state", kept)
     staged = path.with_name(f".{path.name}.{os.getpid()}.next")  # the complete new state, not yet in place
     try:
-        with atomic_file(staged) as f:
-            torch.save(state, f)
+        try:
+            with atomic_file(staged) as f:
+                torch.save(state, f)  # its writer reports a full disk as a RuntimeError
+        except (RuntimeError, WriteFailed) as err:
+            reason = str(err).strip().splitlines()[0]
+            raise WriteFailed(f"could not write the resumable state {path} ({reason}); {kept}") from err
         if path.exists():
             _replace_with_copy(path, path.with_name(PREVIOUS))
         os.replace(staged, path)
@@ -96,23 +105,13 @@ def remove_stale_temporaries(run_dir: Path) -> list[Path]:
     pattern = re.compile(rf"\.{{1,2}}(?:{re.escape(STATE)}|{re.escape(PREVIOUS)})\.(\d+)\..*")
     for candidate in run_dir.glob(".*state*"):
         match = pattern.fullmatch(candidate.name)
-        if match is None or _process_alive(int(match.group(1))):
+        if match is None or process_alive(int(match.group(1))):
             continue
         candidate.unlink(missing_ok=True)
         removed.append(candidate)
     if removed:
         log.info("removed %d temporary file(s) of an interrupted save: %s", len(removed), removed)
     return removed
-
-
-def _process_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # alive, another user's
-        return True
-    return True
 
 
 def load_newest_state(path: Path) -> tuple[Path, dict]:

@@ -32,7 +32,7 @@ from torch import nn
 
 from cramming.budget import BudgetClock
 from cramming.data import PretrainingData
-from cramming.errors import ConfigError, TrainingDiverged
+from cramming.errors import ConfigError, TrainingDiverged, WriteFailed
 from cramming.model import ArchConfig, build_model, count_parameters
 from cramming.model import checkpoint as model_checkpoint
 from cramming.optim import build_optimizer, format_state_report, optimizer_state_report
@@ -473,8 +473,11 @@ def log_progress(run: Run) -> None:
 def write_metrics(run: Run, record: dict) -> None:
     if run.metrics_file is None:
         return
-    with open(run.metrics_file, "a", encoding="utf-8") as f:
-        f.write(json.dumps(record) + "\n")
+    try:
+        with open(run.metrics_file, "a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")
+    except OSError as err:  # a full disk: stop with the last saved state kept (exit 4), not a traceback
+        raise WriteFailed(f"could not append to {run.metrics_file}: {err}") from err
     if run.tensorboard is not None:
         run.tensorboard.write(record)
 
