@@ -1,0 +1,340 @@
+"""A battery of bad inputs, as a hostile but ordinary user would give them: bad configs, bad data files, damaged
+checkpoints and states, bad GLUE folders, exports to the wrong place, signals at awkward moments, a full disk,
+and valid controls beside them.
+
+The rule each case checks (docs/exit-codes.md): a job that cannot do what it was asked exits non-zero with one
+message naming the input, the problem and the fix, never a traceback, and never reports success it did not
+have. Each case asserts the exit status, the absence of a traceback and the words that name the problem.
+
+To stay fast, the cases share one tiny pretraining run (the embedded corpus, 3 updates), and the commands that
+need no process of their own run in one (tests/command_runner.py); signals and the full disk get real processes.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+GLUE = REPO.parent / "shared" / "data" / "glue"
+PRETRAIN = str(REPO / "pretrain.py")
+EVAL = str(REPO / "eval.py")
+EXPORT = str(REPO / "scripts" / "export_hf.py")
+# a tiny run on the embedded corpus: every pretraining case starts from these and changes one thing
+TINY = (
+    "arch=tiny",
+    "data=embedded",
+    "data.tokenizer.vocab_size=1024",
+    "base_dir={base}",
+    "impl.device=cpu",
+    "impl.cpu_threads=1",
+    "impl.num_proc=1",
+    "impl.num_workers=0",
+    "impl.microbatch_size=8",
+    "train.batch_size=8",
+    "train.batch_size_ramp=0",
+    "train.steps=3",
+    "train.validation_rows=16",
+    "budget=0.5",
+)
+LOCAL = ("data=local", "data.tokenizer.vocab_size=1024", "data.sources.local.files={bad}/{case}")
+# evaluation of the shared run: small, so that the valid control finishes in seconds
+SMALL_EVAL = (
+    "checkpoint={run}",
+    "base_dir={base}",
+    "impl.device=cpu",
+    "impl.cpu_threads=1",
+    "eval.tasks=[RTE]",
+    "eval.glue_dir={glue}",
+    "eval.max_train_examples=16",
+    "eval.max_eval_examples=16",
+    "eval.epochs=1",
+    "eval.batch_size=8",
+)
+
+pytestmark = pytest.mark.slow
+
+
+@dataclass(frozen=True)
+class Case:
+    """One command line and how it must end: `code`, and `words` in its output (case-insensitive)."""
+
+    id: str
+    argv: tuple[str, ...]
+    code: int
+    words: tuple[str, ...] = ()
+
+
+def pretrain(id: str, *args: str, code: int = 2, words: tuple[str, ...] = (), base=TINY) -> Case:
+    return Case(id, (PRETRAIN, *base, *args), code, words)
+
+
+def evaluate(id: str, *args: str, code: int = 2, words: tuple[str, ...] = ()) -> Case:
+    return Case(id, (EVAL, *SMALL_EVAL, *args), code, words)
+
+
+def local_data(id: str, *args: str, words: tuple[str, ...]) -> Case:
+    """Pretraining on the bad files written for this case into {bad}/<id> (BAD_FILES)."""
+    return Case(id, (PRETRAIN, *TINY, *LOCAL, *args), 2, words)
+
+
+CASES = [
+    # ---- configuration: every number finite and in range, every key known, keys consistent
+    pretrain("budget-nan", "budget=nan", words=("budget=nan", "finite")),
+    pretrain("budget-inf", "budget=inf", words=("budget=inf", "finite")),
+    pretrain("budget-negative", "budget=-1", words=("budget", "hours")),
+    pretrain("budget-zero", "budget=0", words=("budget", "hours")),
+    pretrain("budget-text", "budget=abc", words=("budget",)),
+    pretrain("lr-nan", "train.optim.lr=nan", words=("train.optim.lr=nan", "finite")),
+    pretrain("lr-inf", "train.optim.lr=inf", words=("train.optim.lr=inf",)),
+    pretrain("batch-not-divided", "train.batch_size=12", words=("train.batch_size", "divisible by 8")),
+    pretrain("batch-below-micro", "train.batch_size=4", words=("train.batch_size", "impl.microbatch_size=4")),
+    pretrain("unknown-top-key", "+foo=1", words=("unknown", "foo")),
+    pretrain("unknown-nested-key", "+train.foo=1", words=("unknown", "train.foo")),
+    pretrain("misspelled-key", "train.batchsize=8", words=("batchsize",)),
+    pretrain("unknown-arch", "arch=nosuch", words=("arch", "nosuch")),
+    pretrain("unknown-optimizer", "train.optim.name=nosuch", words=("train.optim.name", "choose one of")),
+    pretrain("unknown-schedule", "train.lr_schedule=nosuch", words=("train.lr_schedule", "choose one of")),
+    pretrain("mask-fraction", "train.mlm.mask_fraction=1.5", words=("train.mlm.mask_fraction",)),
+    pretrain("zero-steps", "train.steps=0", words=("train.steps",)),
+    pretrain("zero-microbatch", "impl.microbatch_size=0", words=("impl.microbatch_size",)),
+    pretrain("name-with-slash", "name=a/b", words=("name",)),
+    pretrain("rows-longer-than-model", "data.seq_length=100000", words=("data.seq_length",)),
+    pretrain("unknown-precision", "impl.precision=fp8", words=("impl.precision", "choose one of")),
+    *(  # a GPU asked for on a machine without one (on a GPU machine, one it lacks)
+        [pretrain("cuda-without-gpu", "impl.device=cuda", words=("impl.device", "impl.device=cpu"))]
+        if not torch.cuda.is_available()
+        else [pretrain("cuda-index-absent", "impl.device=cuda:99", words=("impl.device", "impl.device=cpu"))]
+    ),
+    # ---- runs that would have reported success with nothing done
+    pretrain(
+        "budget-before-first-update", "budget=1e-9", "train.steps=null", words=("first update", "budget")
+    ),
+    pretrain("resume-nothing", "name=never-ran", "resume=true", words=("resume=true", "never-ran")),
+    pretrain("resume-finished", "name=baseline", "resume=true", words=("already finished", "train.steps")),
+    pretrain(
+        "resume-other-arch",
+        "name=baseline",
+        "resume=true",
+        "train.steps=10",
+        "arch.num_layers=3",
+        words=("arch.num_layers", "2 there, 3 here"),
+    ),
+    pretrain(
+        "resume-damaged-state", "name=broken", "resume=true", "train.steps=10", words=("does not load",)
+    ),
+    # ---- data files
+    local_data("data-not-gzip", words=("not gzip", "data-not-gzip")),
+    local_data("data-truncated-gzip", words=("cut short", "data-truncated-gzip")),
+    local_data("data-numbers-as-text", words=("holds int64", "text_field")),
+    local_data("data-other-field", words=("no field 'text'", "text_field")),
+    local_data("data-not-utf8", words=("not utf-8", "data-not-utf8")),
+    local_data("data-all-empty", words=("empty",)),
+    local_data("data-no-files", words=("no readable text files",)),
+    # ---- evaluation
+    evaluate("eval-zero-examples", "eval.max_train_examples=0", words=("eval.max_train_examples",)),
+    evaluate("eval-task-twice", "eval.tasks=[RTE,RTE]", words=("eval.tasks", "more than once", "eval.seeds")),
+    evaluate("eval-no-tasks", "eval.tasks=[]", words=("eval.tasks", "at least one task")),
+    evaluate("eval-unknown-task", "eval.tasks=[NOPE]", words=("eval.tasks", "choose one of")),
+    evaluate("eval-seed-twice", "eval.seeds=[0,0]", words=("eval.seeds", "more than once")),
+    evaluate("eval-no-seeds", "eval.seeds=[]", words=("eval.seeds",)),
+    evaluate("eval-lr-nan", "eval.optim.lr=nan", words=("eval.optim.lr=nan", "finite")),
+    evaluate("eval-budget-nan", "budget=nan", words=("budget=nan", "finite")),
+    evaluate("eval-unknown-key", "+eval.foo=1", words=("unknown", "eval.foo")),
+    evaluate("eval-no-checkpoint", "checkpoint={bad}/nowhere", words=("no checkpoint",)),
+    evaluate(
+        "eval-damaged-checkpoint",
+        "checkpoint={bad}/damaged-run",
+        words=("model.safetensors", "does not load"),
+    ),
+    evaluate(
+        "eval-glue-dir-missing", "eval.glue_dir={bad}/no-glue", words=("eval.glue_dir", "no such folder")
+    ),
+    evaluate(
+        "eval-glue-header-only", "eval.glue_dir={bad}/glue-header-only", words=("train.tsv", "no examples")
+    ),
+    evaluate(
+        "eval-hf-config-not-json", "checkpoint=hf:{bad}/hf-bad-config", words=("config.json", "does not load")
+    ),
+    # ---- export
+    Case("export-damaged", (EXPORT, "{bad}/damaged-run", "{bad}/export-damaged"), 2, ("does not load",)),
+    Case("export-into-file", (EXPORT, "{run}", "{bad}/a-file"), 2, ("is a file",)),
+    Case("export-nothing", (EXPORT, "{bad}/nowhere", "{bad}/export-nothing"), 2, ("no checkpoint",)),
+    Case("export-not-empty", (EXPORT, "{run}", "{bad}/not-empty"), 2, ("not empty",)),
+    # ---- valid controls: the same commands with good inputs still run
+    evaluate("control-eval", code=0, words=("glue results",)),
+    Case("control-export", (EXPORT, "{run}", "{bad}/exported"), 0, ("wrote",)),
+    pretrain(
+        "control-resume", "name=baseline", "resume=true", "train.steps=4", code=0, words=("resuming from",)
+    ),
+]
+
+
+def write_bad_inputs(bad: Path, run: Path) -> None:
+    """The damaged files and folders the cases name, under `bad`; `run` is the shared run's folder."""
+    from cramming.hf.export import to_transformers  # transformers: imported by the tests that need it only
+
+    shard = bad / "data-not-gzip"
+    shard.mkdir(parents=True)
+    (shard / "a.jsonl.gz").write_text('{"text": "plain text under a gzip name"}\n')
+    whole = gzip.compress(("\n".join(json.dumps({"text": "word " * 40}) for _ in range(400)) + "\n").encode())
+    (bad / "data-truncated-gzip").mkdir()
+    (bad / "data-truncated-gzip" / "a.jsonl.gz").write_bytes(whole[: len(whole) // 2])
+    (bad / "data-numbers-as-text").mkdir()
+    (bad / "data-numbers-as-text" / "a.jsonl").write_text("".join(f'{{"text": {i}}}\n' for i in range(50)))
+    (bad / "data-other-field").mkdir()
+    (bad / "data-other-field" / "a.jsonl").write_text("".join(f'{{"body": "row {i}"}}\n' for i in range(50)))
+    (bad / "data-not-utf8").mkdir()
+    (bad / "data-not-utf8" / "a.txt").write_bytes(b"some text\n" * 20 + b"\xff\xfe\x00 binary \x80\x81\n")
+    (bad / "data-all-empty").mkdir()
+    (bad / "data-all-empty" / "a.txt").write_bytes(b"")
+    (bad / "data-no-files").mkdir()
+    (bad / "data-no-files" / "notes.csv").write_text("a,b\n")
+    damaged = bad / "damaged-run"
+    shutil.copytree(run, damaged)
+    weights = damaged / "checkpoint" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    glue = bad / "glue-header-only" / "RTE"
+    glue.mkdir(parents=True)
+    shutil.copy(GLUE / "RTE" / "dev.tsv", glue / "dev.tsv")
+    (glue / "train.tsv").write_text("index\tsentence1\tsentence2\tlabel\n")
+    exported = to_transformers(run, bad / "hf-bad-config")
+    (exported / "config.json").write_text('{"model_type": "crammed_bert", "hidden_size": ')  # cut short
+    (bad / "a-file").write_text("not a folder\n")
+    (bad / "not-empty").mkdir()
+    (bad / "not-empty" / "keep.txt").write_text("someone's file\n")
+
+
+def break_state(base: Path, run: Path) -> None:
+    """A copy of the shared run under the name `broken` whose resumable states do not load."""
+    copy = base / "broken" / run.name
+    shutil.copytree(run, copy)
+    (copy / "state.pt").write_bytes((copy / "state.pt").read_bytes()[:2000])
+    (copy / "state.prev.pt").unlink(missing_ok=True)
+
+
+def environment() -> dict:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+@pytest.fixture(scope="module")
+def places(tmp_path_factory) -> dict[str, str]:
+    """The shared tiny run (name=baseline), its damaged copies and the bad files: {base}, {run}, {bad}, {glue}."""
+    if not (GLUE / "RTE" / "train.tsv").exists():
+        pytest.skip(f"shared GLUE data not found at {GLUE}")
+    base, bad = tmp_path_factory.mktemp("base"), tmp_path_factory.mktemp("bad")
+    command = [sys.executable, PRETRAIN, *(a.format(base=base) for a in TINY), "name=baseline"]
+    done = subprocess.run(command, cwd=REPO, env=environment(), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    run = next((base / "baseline").iterdir())
+    write_bad_inputs(bad, run)
+    break_state(base, run)
+    return {"base": str(base), "run": str(run), "bad": str(bad), "glue": str(GLUE)}
+
+
+@pytest.fixture(scope="module")
+def outcomes(places, tmp_path_factory) -> dict[str, dict]:
+    """Every case of CASES, run in one process (tests/command_runner.py): {id: {code, output, seconds}}."""
+    folder = tmp_path_factory.mktemp("runner")
+    commands = [
+        {"id": case.id, "argv": [arg.format(case=case.id, **places) for arg in case.argv]} for case in CASES
+    ]
+    (folder / "commands.json").write_text(json.dumps(commands))
+    runner = [sys.executable, str(REPO / "tests" / "command_runner.py"), *(str(folder / n) for n in ("commands.json", "results.json"))]  # fmt: skip
+    done = subprocess.run(runner, cwd=REPO, env=environment(), capture_output=True, text=True, timeout=1200)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return json.loads((folder / "results.json").read_text())
+
+
+def check_outcome(outcome: dict, code: int, words: tuple[str, ...]) -> None:
+    output = outcome["output"]
+    assert "Traceback" not in output, f"a traceback instead of a message:\n{output[-4000:]}"
+    assert outcome["code"] == code, f"exit {outcome['code']}, expected {code}:\n{output[-3000:]}"
+    missing = [word for word in words if word.lower() not in output.lower()]
+    assert not missing, f"the output does not name {missing}:\n{output[-3000:]}"
+
+
+def test_the_battery_is_large_enough():
+    assert len(CASES) >= 40 and len({case.id for case in CASES}) == len(CASES)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[case.id for case in CASES])
+def test_bad_input(case: Case, outcomes):
+    check_outcome(outcomes[case.id], case.code, case.words)
+
+
+# ------------------------------------------------------------------------ in processes of their own
+
+
+def start_pretraining(places: dict, base: Path, *args: str) -> subprocess.Popen:
+    argv = [sys.executable, PRETRAIN, *(a.format(**places) for a in TINY), f"base_dir={base}", *args]
+    return subprocess.Popen(
+        argv, cwd=REPO, env=environment(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+
+
+def test_sigterm_while_preprocessing_leaves_an_interrupted_card_and_no_half_built_data(places, tmp_path):
+    shard = REPO.parent / "shared" / "data" / "wikipedia-en-2015" / "train-00000-of-00012.jsonl.gz"
+    if not shard.exists():
+        pytest.skip(f"shared Wikipedia data not found at {shard}")
+    # a real shard preprocesses for many seconds: long enough to be stopped in the middle
+    process = start_pretraining(places, tmp_path, "data=local", f"data.sources.local.files={shard}")
+    deadline = time.monotonic() + 120
+    while not list((tmp_path / "data").glob(".*.building-*")) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert list((tmp_path / "data").glob(".*.building-*")), "preprocessing did not start"
+    time.sleep(1.0)
+    process.send_signal(signal.SIGTERM)
+    output, _ = process.communicate(timeout=120)
+    check_outcome(
+        {"code": process.returncode, "output": output}, 128 + signal.SIGTERM, ("SIGTERM", "preprocessing")
+    )
+    assert not list((tmp_path / "data").glob(".*.building-*")), "the half-built data folder was left behind"
+    card = json.loads(next((tmp_path / "default").glob("*/run_card.json")).read_text())
+    assert card["status"] == "interrupted"
+
+
+def test_a_build_folder_of_a_dead_process_is_removed_and_a_live_one_kept(tmp_path):
+    from cramming.data.pipeline import remove_abandoned_builds
+
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
+    path = tmp_path / "cache-key"
+    abandoned = tmp_path / f".cache-key.building-{int(dead.stdout)}"
+    running = tmp_path / f".cache-key.building-{os.getpid()}"
+    for folder in (abandoned, running):
+        (folder / "scratch").mkdir(parents=True)
+    assert remove_abandoned_builds(path) == [abandoned]
+    assert not abandoned.exists() and running.exists()
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 12 MiB file system: room for the tiny run's data, not for its resumable state beside the margin."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=12m", "tmpfs", str(mount)], capture_output=True
+    )
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a small file system here ({done.stderr.decode().strip()})")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def test_a_full_disk_is_a_clear_error_with_the_space_needed(places, small_disk):
+    process = start_pretraining(places, small_disk)
+    output, _ = process.communicate(timeout=300)
+    check_outcome({"code": process.returncode, "output": output}, 4, ("disk space", "MiB", "base_dir"))
