@@ -66,6 +66,11 @@ def powers_of_two(most: int, least: int = 1) -> list[int]:
     return sizes
 
 
+def largest_divisor(number: int, at_most: int) -> int:
+    """The largest divisor of `number` that is at most `at_most` (1 at least)."""
+    return max(d for d in range(1, max(1, min(number, at_most)) + 1) if number % d == 0)
+
+
 def search(
     measure: Callable[[int], float],
     candidates: Sequence[int],
@@ -310,8 +315,9 @@ def choose_microbatch(
     key = cache_key(device, arch, masker.vocab_size, seq_length, dtype, model)
     cached = read_cache(cache_path).get(key)
     if cached is not None:
-        log.info("micro-batch %d for %s, cached in %s", cached["microbatch_size"], key, cache_path)
-        return int(cached["microbatch_size"])
+        size = largest_divisor(most, int(cached["microbatch_size"]))  # the cache is per model, not per batch
+        log.info("micro-batch %d for %s, cached in %s (%d)", size, key, cache_path, cached["microbatch_size"])
+        return size
     if not search_allowed:
         raise ConfigError(
             f"impl.microbatch_size=auto under several processes needs a cached choice ({key} is not in"
@@ -324,6 +330,8 @@ def choose_microbatch(
         reserve = 0
         cap = cpu_max_microbatch(arch, seq_length, available_cpu_bytes())
         candidates = powers_of_two(min(most, cap), least=1)
+    # only sizes that form the batch exactly: a micro-batch never changes the batch a run trains
+    candidates = [size for size in candidates if most % size == 0] or [largest_divisor(most, candidates[0])]
     started = time.monotonic()
     chosen, trials = search(
         step_measure(model, masker, device, dtype, seq_length, reserve), candidates, time_limit
