@@ -323,15 +323,7 @@ def choose_microbatch(
             f"impl.microbatch_size=auto under several processes needs a cached choice ({key} is not in"
             f" {cache_path}): run once in a single process to search, or give a number"
         )
-    if device.type == "cuda":
-        reserve = 8 * sum(p.numel() for p in model.parameters())  # fp32 AdamW moments, not yet allocated
-        candidates = powers_of_two(min(most, CUDA_MAX), least=min(8, most))
-    else:
-        reserve = 0
-        cap = cpu_max_microbatch(arch, seq_length, available_cpu_bytes())
-        candidates = powers_of_two(min(most, cap), least=1)
-    # only sizes that form the batch exactly: a micro-batch never changes the batch a run trains
-    candidates = [size for size in candidates if most % size == 0] or [largest_divisor(most, candidates[0])]
+    reserve, candidates = search_space(model, device, seq_length, most)
     started = time.monotonic()
     chosen, trials = search(
         step_measure(model, masker, device, dtype, seq_length, reserve), candidates, time_limit
@@ -346,17 +338,30 @@ def choose_microbatch(
     log.info(
         "micro-batch search (%.1f s of budget): %s -> %d; cached in %s", seconds, table, chosen, cache_path
     )
+    record = {
+        "microbatch_size": chosen,
+        "search_seconds": round(seconds, 2),
+        "trials": [asdict(t) for t in trials],
+    }
     write_cache(
-        cache_path,
-        key,
-        {
-            "microbatch_size": chosen,
-            "search_seconds": round(seconds, 2),
-            "trials": [asdict(t) for t in trials],
-            "searched_at": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
-        },
+        cache_path, key, record | {"searched_at": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
     )
     return chosen
+
+
+def search_space(model: nn.Module, device: torch.device, seq_length: int, most: int) -> tuple[int, list[int]]:
+    """(bytes to keep free for what is not allocated yet, the sizes to try): powers of two up to `most` and
+    what fits, only those that form the batch `most` exactly (a micro-batch never changes the batch trained)."""
+    if device.type == "cuda":
+        reserve = 8 * sum(p.numel() for p in model.parameters())  # fp32 AdamW moments, not yet allocated
+        candidates = powers_of_two(min(most, CUDA_MAX), least=min(8, most))
+    else:
+        reserve = 0
+        cap = cpu_max_microbatch(model.arch, seq_length, available_cpu_bytes())
+        candidates = powers_of_two(min(most, cap), least=1)
+    return reserve, [size for size in candidates if most % size == 0] or [
+        largest_divisor(most, candidates[0])
+    ]
 
 
 def time_limit_for(budget_hours: float) -> float:
