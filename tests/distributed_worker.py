@@ -189,7 +189,9 @@ def budget_then_resume(base: Path, data, prefix: str, mode: str, *overrides: str
 
 def refused(base: Path, data, *overrides: str) -> str | None:
     try:
-        loop.train(make_config(base, "budget=1", "train.steps=1", *overrides), data, base / "refused")
+        # a batch both ranks form exactly: 2 x 8 rows (a batch of 8 is refused before the settings under test)
+        config = make_config(base, "budget=1", "train.steps=1", "train.batch_size=16", *overrides)
+        loop.train(config, data, base / "refused")
     except ConfigError as err:
         return str(err)
     return None
@@ -212,6 +214,7 @@ def main() -> None:
         results["layerwise_error"] = refused(base, data, "train/optim=adamw_layerwise")
         results["fsdp2_8bit_error"] = refused(base, data, "train/optim=adamw_8bit", "impl.distributed=fsdp2")
         results["fsdp2_fp16_error"] = refused(base, data, "impl.precision=fp16", "impl.distributed=fsdp2")
+        results["batch_error"] = refused(base, data, "train.batch_size=8")  # 2 ranks x micro-batch 8 = 16 rows
     if "fsdp2" in scenarios:
         results["fsdp2"] = steps(base, data, "name=fsdp2", "impl.distributed=fsdp2", *cuda)
         results["fsdp2_budget"] = budget_then_resume(base, data, "fsdp2", "fsdp2", *cuda)
