@@ -22,10 +22,11 @@ from cramming.errors import ConfigError, DataSourceError
 from cramming.eval.backbone import Backbone
 from cramming.eval.config import EvalRunConfig
 from cramming.eval.finetune import EvaluationStopped
-from cramming.eval.run import checkpoint_backbone, run_glue
+from cramming.eval.run import checkpoint_backbone, earlier_evaluation, glue_record, run_glue
 from cramming.model import KernelUnavailableError
 from cramming.model.checkpoint import resolve_checkpoint
 from cramming.runcard import JobFailed, RunCard, run_entry_point, run_job
+from cramming.trackers.session import start_trackers
 
 log = logging.getLogger("cramming")
 register_configs()
@@ -64,13 +65,18 @@ def evaluate(cfg: DictConfig, card: RunCard) -> float | None:
     try:
         hydra = HydraConfig.get()
         sweep_job = hydra.job.num if hydra.mode == RunMode.MULTIRUN else None  # resume=true: its own number
-        report = run_glue(config, backbone, Path(hydra.runtime.output_dir), sweep_job=sweep_job)
+        run_dir = Path(hydra.runtime.output_dir)
+        # W&B, MLflow, TensorBoard (trackers=[...]); resume=true or a requeued job continues the evaluation's runs
+        continues = earlier_evaluation(config, run_dir, sweep_job)
+        trackers = start_trackers(config.trackers, config.tracking, card, continues)
+        report = run_glue(config, backbone, run_dir, sweep_job=sweep_job)
     except (ConfigError, DataSourceError, KernelUnavailableError) as err:  # e.g. a named task without data
         raise JobFailed(err, exit_code=2) from err
     except EvaluationStopped as stopped:  # the finished runs are kept in the run folder
         log.info("interrupted; continue with: python eval.py name=%s resume=true ...", config.name)
         sys.exit(128 + signal.Signals[stopped.signal_name])
     card.record_glue(checkpoint, report)
+    trackers.log(glue_record(report))
     return report["glue_average"]
 
 
