@@ -158,6 +158,25 @@ def test_a_resumed_run_is_handed_the_ids_its_predecessor_saved(tmp_path, fakes):
     assert Recording.runs[2].info.resumed == {}
 
 
+@pytest.mark.parametrize(
+    ("status", "mlflow_status"), [("ok", "FINISHED"), ("failed", "FAILED"), ("interrupted", "KILLED")]
+)
+def test_mlflow_run_ends_with_the_run_cards_status(tmp_path, status, mlflow_status):
+    pytest.importorskip("mlflow", reason="the trackers extra: pip install -e .[trackers]")
+    from mlflow import MlflowClient
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"  # MLflow into a file: no server needed
+    card = card_in(tmp_path / "run")
+    card.run_dir.mkdir()
+    trackers = session.start_trackers(["mlflow"], TrackingConfig(mlflow_uri=uri), card)
+    trackers.log({"update": 4, "loss": 5.5})
+    card.end(status)
+    run_id = json.loads((card.run_dir / session.IDS_FILE).read_text())["mlflow"]["run_id"]
+    found = MlflowClient(uri).get_run(run_id)
+    assert found.info.status == mlflow_status and found.data.tags["cramming.status"] == status
+    assert found.data.metrics["loss"] == 5.5
+
+
 def test_numbers_are_the_records_numbers_under_their_names():
     record = {"update": 3, "loss": 2.5, "anytime": {"SST-2": 0.8}, "anytime_charged": True, "average": None}
     assert numbers(record) == {"update": 3, "loss": 2.5, "anytime/SST-2": 0.8}
@@ -237,7 +256,8 @@ def test_wandb_offline_run_is_grouped_by_its_sweep(tmp_path, monkeypatch):
     sweep = tmp_path / "search" / "multirun_2026-01-01_00-00-00"
     card = card_in(sweep / "1", multirun=True, num=1, sweep_dir=str(sweep), overrides=["train.optim.lr=1e-3"])
     card.run_dir.mkdir(parents=True)
-    trackers = session.start_trackers(["wandb"], TrackingConfig(), card)
+    # a loaded CI machine may take long to start wandb's service: more than the default 30 s is allowed
+    trackers = session.start_trackers(["wandb"], TrackingConfig(timeout_s=300), card)
     trackers.log({"update": 1, "loss": 3.0})
     card.end("failed")
     run = wandb_run(card.run_dir)
@@ -254,7 +274,7 @@ def tiny_pretraining(base_dir: Path, *overrides: str) -> list[str]:
         sys.executable, str(REPO / "pretrain.py"), "arch=tiny", "data=embedded", "data.seq_length=32",
         f"base_dir={base_dir}", "budget=1", f"train.steps={STEPS}", "train.lr_schedule=steps-linear",
         "impl.microbatch_size=8", "train.batch_size=16", "train.batch_size_ramp=0", "impl.cpu_threads=1",
-        "impl.num_workers=0", "train.validation_rows=16", "train.log_every=5", *overrides,
+        "impl.num_workers=0", "train.validation_rows=16", "train.log_every=5", "tracking.timeout_s=300", *overrides,
     ]  # fmt: skip
 
 

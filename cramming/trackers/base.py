@@ -18,7 +18,7 @@ class RunInfo:
     """One run as the trackers see it: its names, its config and provenance, its sweep, what it continues."""
 
     kind: str  # pretrain | eval
-    title: str  # the run folder below base_dir: <name>/<stamp>, or <name>/multirun_<stamp>/<job>
+    title: str  # the run's name: its folder below base_dir (<name>/<stamp>); a sweep's job: #<job> <sweep>
     run_dir: Path
     base_dir: Path
     config: dict  # the resolved config

@@ -105,7 +105,7 @@ def start_trackers(
             warn(name, f"did not start ({type(err).__name__}: {err})", cls.fix)
     trackers = Trackers(active)
     if active:
-        atomic_write_text(info.run_dir / IDS_FILE, json.dumps(trackers.saved(), indent=1) + "\n")
+        save_ids(info.run_dir, trackers.saved())
         card.on_end(lambda ended: trackers.finish(ended.status, summary_of(ended)))
     return trackers
 
@@ -125,6 +125,8 @@ def run_info(card: RunCard) -> RunInfo:
     sweep_dir = (
         Path(card.job["sweep_dir"]) if card.job.get("multirun") and card.job.get("sweep_dir") else None
     )
+    if sweep_dir is not None:  # the job number first: what tells a sweep's runs apart in a narrow column
+        title = f"#{card.job.get('num')} {sweep_group(sweep_dir)}"
     return RunInfo(
         kind=card.kind,
         title=title,
@@ -136,6 +138,17 @@ def run_info(card: RunCard) -> RunInfo:
         sweep_dir=sweep_dir,
         overrides=list(card.job.get("overrides", [])),
     )
+
+
+def save_ids(run_dir: Path, saved: dict) -> None:
+    """The tracker run ids into {run_dir}/trackers.json, atomically; a disk that refuses costs a warning (a
+    resume of this run would then start new tracker runs), not the run."""
+    try:
+        atomic_write_text(run_dir / IDS_FILE, json.dumps(saved, indent=1) + "\n")
+    except OSError as err:
+        log.warning(
+            "%s not written (%s): a resume of this run starts new tracker runs", run_dir / IDS_FILE, err
+        )
 
 
 def read_saved(run_dir: Path | None) -> dict:

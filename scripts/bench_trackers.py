@@ -1,0 +1,82 @@
+"""What the experiment trackers cost a pretraining run: tokens/s with trackers=[tensorboard,wandb,mlflow]
+(W&B offline, MLflow into an SQLite file) against none, in runs that alternate (ABBA order per round, so a
+drift in the machine's load falls on both), several rounds. Prints every run and the ratio of the medians.
+
+    python scripts/bench_trackers.py --rounds 4
+
+Throughput is measured between the first and the last metrics record of a run: the updates with their
+logging (where the trackers work, on the main thread, at log steps) and nothing of the set-up, the trackers'
+start-up (before the budget clock) or the final validation. Needs pip install -e .[trackers].
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+TRACKERS = "[tensorboard,wandb,mlflow]"
+# a tiny pretraining on the embedded corpus: a fixed number of updates on one CPU thread
+RUN = [
+    "arch=tiny", "data=embedded", "data.seq_length=64", "budget=1", "train.lr_schedule=steps-linear",
+    "impl.microbatch_size=16", "train.batch_size=16", "train.batch_size_ramp=0", "impl.cpu_threads=1",
+    "impl.num_workers=0", "train.validation_rows=16",
+]  # fmt: skip
+
+
+def pretrain(base_dir: Path, name: str, trackers: str, steps: int, log_every: int) -> float:
+    """One run; returns its tokens/s from its first to its last metrics record."""
+    command = [
+        sys.executable, str(REPO / "pretrain.py"), *RUN, f"base_dir={base_dir}", f"name={name}",
+        f"train.steps={steps}", f"train.log_every={log_every}", f"trackers={trackers}",
+        f"tracking.mlflow_uri=sqlite:///{base_dir / 'mlflow.db'}",
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
+    subprocess.run(command, cwd=REPO, env=env, check=True, capture_output=True)
+    (run_dir,) = (base_dir / name).iterdir()
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps_logged = [r for r in records if "tok_per_s" in r]
+    first, last = steps_logged[0], steps_logged[-1]
+    tokens_per_update = first["batch_size"] * int(
+        json.loads((run_dir / "run_card.json").read_text())["data"]["seq_length"]
+    )
+    seconds = (last["elapsed_h"] - first["elapsed_h"]) * 3600
+    return (last["update"] - first["update"]) * tokens_per_update / seconds
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=4, help="each round: one run without, one with (ABBA)")
+    parser.add_argument("--steps", type=int, default=300, help="updates per run")
+    parser.add_argument(
+        "--log-every", type=int, default=10, help="train.log_every: how often the trackers log"
+    )
+    args = parser.parse_args()
+    base_dir = Path(tempfile.mkdtemp(prefix="bench-trackers-"))
+    pretrain(
+        base_dir, "warm-up", "[]", 5, args.log_every
+    )  # the corpus into the cache, files into the page cache
+    speeds: dict[str, list[float]] = {"none": [], "all": []}
+    for round_ in range(args.rounds):
+        order = ("none", "all") if round_ % 2 == 0 else ("all", "none")
+        for mode in order:
+            speed = pretrain(
+                base_dir, f"{mode}-{round_}", "[]" if mode == "none" else TRACKERS, args.steps, args.log_every
+            )
+            speeds[mode].append(speed)
+            print(f"round {round_} {mode:4s} {speed:9.0f} tok/s", flush=True)
+    none, tracked = statistics.median(speeds["none"]), statistics.median(speeds["all"])
+    pairs = [a / n for a, n in zip(speeds["all"], speeds["none"], strict=True)]
+    print(f"median tok/s: none {none:.0f}, all three trackers {tracked:.0f}; ratio {tracked / none:.3f}")
+    print(f"per-round ratios: {', '.join(f'{r:.3f}' for r in pairs)}")
+    print(f"runs in {base_dir}")
+
+
+if __name__ == "__main__":
+    main()
