@@ -18,14 +18,16 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 TRACKERS = "[tensorboard,wandb,mlflow]"
+SEQ, BATCH = 64, 16  # tokens per row, rows per update
 # a tiny pretraining on the embedded corpus: a fixed number of updates on one CPU thread
 RUN = [
-    "arch=tiny", "data=embedded", "data.seq_length=64", "budget=1", "train.lr_schedule=steps-linear",
-    "impl.microbatch_size=16", "train.batch_size=16", "train.batch_size_ramp=0", "impl.cpu_threads=1",
+    "arch=tiny", "data=embedded", f"data.seq_length={SEQ}", "budget=1", "train.lr_schedule=steps-linear",
+    f"impl.microbatch_size={BATCH}", f"train.batch_size={BATCH}", "train.batch_size_ramp=0", "impl.cpu_threads=1",
     "impl.num_workers=0", "train.validation_rows=16",
 ]  # fmt: skip
 
@@ -48,6 +50,31 @@ def pretrain(base_dir: Path, name: str, trackers: str, steps: int, log_every: in
     )
     seconds = (last["elapsed_h"] - first["elapsed_h"]) * 3600
     return (last["update"] - first["update"]) * tokens_per_update / seconds
+
+
+def seconds_per_log(base_dir: Path, records: int = 200) -> float:
+    """The trackers' own cost of one metrics record, in this process: all three started on a run card, then
+    `records` records of a pretraining's shape logged and timed (what the loop pays at each log step)."""
+    from cramming.runcard import RunCard
+    from cramming.trackers.config import TrackingConfig
+    from cramming.trackers.session import start_trackers
+
+    os.environ["WANDB_MODE"] = "offline"
+    run_dir = base_dir / "in-process"
+    run_dir.mkdir()
+    card = RunCard(run_dir, "pretrain", {"base_dir": str(base_dir), "name": "in-process"})
+    settings = TrackingConfig(mlflow_uri=f"sqlite:///{base_dir / 'mlflow.db'}")
+    trackers = start_trackers(["tensorboard", "wandb", "mlflow"], settings, card)
+    record = {
+        "update": 0, "microbatches": 0, "loss": 7.1, "mlm_acc": 0.05, "lr": 1e-3, "batch_size": 16, "seq_per_s": 200.0,
+        "tok_per_s": 12800.0, "elapsed_h": 0.01, "budget_fraction": 0.01, "skipped": 0,
+    }  # fmt: skip
+    start = time.perf_counter()
+    for update in range(1, records + 1):
+        trackers.log(record | {"update": update, "microbatches": update, "loss": 7.1 - update * 1e-3})
+    spent = (time.perf_counter() - start) / records
+    card.end("ok")
+    return spent
 
 
 def main() -> None:
@@ -74,7 +101,16 @@ def main() -> None:
     none, tracked = statistics.median(speeds["none"]), statistics.median(speeds["all"])
     pairs = [a / n for a, n in zip(speeds["all"], speeds["none"], strict=True)]
     print(f"median tok/s: none {none:.0f}, all three trackers {tracked:.0f}; ratio {tracked / none:.3f}")
-    print(f"per-round ratios: {', '.join(f'{r:.3f}' for r in pairs)}")
+    print(
+        f"per-round ratios (with / without): {', '.join(f'{r:.3f}' for r in pairs)}; median {statistics.median(pairs):.3f}"
+    )
+    per_log = seconds_per_log(base_dir)
+    tokens_per_log = args.log_every * BATCH * SEQ
+    share = per_log / (tokens_per_log / none)  # of the time between two log steps without trackers
+    print(
+        f"in-process: {1000 * per_log:.2f} ms per metrics record with all three trackers, {100 * share:.2f}% of the"
+        f" {tokens_per_log / none:.2f} s between two log steps (train.log_every={args.log_every})"
+    )
     print(f"runs in {base_dir}")
 
 
