@@ -43,18 +43,16 @@ def pretrain(base_dir: Path, name: str, trackers: str, steps: int, log_every: in
     subprocess.run(command, cwd=REPO, env=env, check=True, capture_output=True)
     (run_dir,) = (base_dir / name).iterdir()
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    steps_logged = [r for r in records if "tok_per_s" in r]
-    first, last = steps_logged[0], steps_logged[-1]
-    tokens_per_update = first["batch_size"] * int(
-        json.loads((run_dir / "run_card.json").read_text())["data"]["seq_length"]
-    )
+    logged = [r for r in records if "tok_per_s" in r]
+    first, last = logged[0], logged[-1]
     seconds = (last["elapsed_h"] - first["elapsed_h"]) * 3600
-    return (last["update"] - first["update"]) * tokens_per_update / seconds
+    return (last["update"] - first["update"]) * BATCH * SEQ / seconds
 
 
-def seconds_per_log(base_dir: Path, records: int = 200) -> float:
+def seconds_per_log(base_dir: Path, interval: float, records: int = 40) -> float:
     """The trackers' own cost of one metrics record, in this process: all three started on a run card, then
-    `records` records of a pretraining's shape logged and timed (what the loop pays at each log step)."""
+    `records` records of a pretraining's shape logged `interval` seconds apart (the time between two log steps
+    of a run, so that MLflow's requests bundle as many records as in a run), each call timed."""
     from cramming.runcard import RunCard
     from cramming.trackers.config import TrackingConfig
     from cramming.trackers.session import start_trackers
@@ -66,15 +64,25 @@ def seconds_per_log(base_dir: Path, records: int = 200) -> float:
     settings = TrackingConfig(mlflow_uri=f"sqlite:///{base_dir / 'mlflow.db'}")
     trackers = start_trackers(["tensorboard", "wandb", "mlflow"], settings, card)
     record = {
-        "update": 0, "microbatches": 0, "loss": 7.1, "mlm_acc": 0.05, "lr": 1e-3, "batch_size": 16, "seq_per_s": 200.0,
-        "tok_per_s": 12800.0, "elapsed_h": 0.01, "budget_fraction": 0.01, "skipped": 0,
+        "update": 0, "microbatches": 0, "loss": 7.1, "mlm_acc": 0.05, "lr": 1e-3, "batch_size": BATCH,
+        "seq_per_s": 200.0, "tok_per_s": 12800.0, "elapsed_h": 0.01, "budget_fraction": 0.01, "skipped": 0,
     }  # fmt: skip
-    start = time.perf_counter()
+    spent = 0.0
     for update in range(1, records + 1):
+        time.sleep(interval)  # the updates between two log steps
+        start = time.perf_counter()
         trackers.log(record | {"update": update, "microbatches": update, "loss": 7.1 - update * 1e-3})
-    spent = (time.perf_counter() - start) / records
+        spent += time.perf_counter() - start
     card.end("ok")
-    return spent
+    return spent / records
+
+
+def report_per_log(base_dir: Path, interval: float) -> None:
+    per_log = seconds_per_log(base_dir, interval)
+    print(
+        f"in-process: {1000 * per_log:.2f} ms per metrics record with all three trackers, logged every"
+        f" {interval:.2f} s: {100 * per_log / interval:.2f}% of the time between two log steps"
+    )
 
 
 def main() -> None:
@@ -84,8 +92,12 @@ def main() -> None:
     parser.add_argument(
         "--log-every", type=int, default=10, help="train.log_every: how often the trackers log"
     )
+    parser.add_argument("--interval", type=float, default=0.7, help="--rounds 0: seconds between log steps")
     args = parser.parse_args()
     base_dir = Path(tempfile.mkdtemp(prefix="bench-trackers-"))
+    if args.rounds == 0:  # the in-process timing only
+        report_per_log(base_dir, args.interval)
+        return
     pretrain(
         base_dir, "warm-up", "[]", 5, args.log_every
     )  # the corpus into the cache, files into the page cache
@@ -93,24 +105,15 @@ def main() -> None:
     for round_ in range(args.rounds):
         order = ("none", "all") if round_ % 2 == 0 else ("all", "none")
         for mode in order:
-            speed = pretrain(
-                base_dir, f"{mode}-{round_}", "[]" if mode == "none" else TRACKERS, args.steps, args.log_every
-            )
-            speeds[mode].append(speed)
-            print(f"round {round_} {mode:4s} {speed:9.0f} tok/s", flush=True)
+            trackers = "[]" if mode == "none" else TRACKERS
+            speeds[mode].append(pretrain(base_dir, f"{mode}-{round_}", trackers, args.steps, args.log_every))
+            print(f"round {round_} {mode:4s} {speeds[mode][-1]:9.0f} tok/s", flush=True)
     none, tracked = statistics.median(speeds["none"]), statistics.median(speeds["all"])
     pairs = [a / n for a, n in zip(speeds["all"], speeds["none"], strict=True)]
     print(f"median tok/s: none {none:.0f}, all three trackers {tracked:.0f}; ratio {tracked / none:.3f}")
-    print(
-        f"per-round ratios (with / without): {', '.join(f'{r:.3f}' for r in pairs)}; median {statistics.median(pairs):.3f}"
-    )
-    per_log = seconds_per_log(base_dir)
-    tokens_per_log = args.log_every * BATCH * SEQ
-    share = per_log / (tokens_per_log / none)  # of the time between two log steps without trackers
-    print(
-        f"in-process: {1000 * per_log:.2f} ms per metrics record with all three trackers, {100 * share:.2f}% of the"
-        f" {tokens_per_log / none:.2f} s between two log steps (train.log_every={args.log_every})"
-    )
+    print(f"per-round ratios (with / without): {', '.join(f'{r:.3f}' for r in pairs)}")
+    print(f"median of the per-round ratios: {statistics.median(pairs):.3f}")
+    report_per_log(base_dir, args.log_every * BATCH * SEQ / none)  # the time between two log steps
     print(f"runs in {base_dir}")
 
 

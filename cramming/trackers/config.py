@@ -20,8 +20,8 @@ class TrackingConfig:
     entity: str | None = None
     # W&B mode: online | offline (sync later with `wandb sync`) | disabled; null: WANDB_MODE, else online
     wandb_mode: str | None = None
-    # MLflow tracking URI: http(s)://host:port, a folder, or sqlite:///file.db; null: MLFLOW_TRACKING_URI,
-    # else sqlite:///{base_dir}/mlflow.db
+    # MLflow tracking URI: http(s)://host:port or sqlite:///file.db (a folder needs MLFLOW_ALLOW_FILE_STORE=true
+    # in MLflow 3); null: MLFLOW_TRACKING_URI, else sqlite:///{base_dir}/mlflow.db
     mlflow_uri: str | None = None
     # seconds a tracker may take to start (and a tracking server to answer) before it is dropped for the run
     timeout_s: float = 30.0
