@@ -9,9 +9,6 @@ from typing import ClassVar
 from cramming.trackers.config import TrackingConfig
 from cramming.utils import flatten
 
-# run statuses of the run card: how the job ended
-STATUSES = ("ok", "failed", "interrupted")
-
 
 @dataclass
 class RunInfo:
