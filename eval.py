@@ -18,9 +18,10 @@ from omegaconf import DictConfig
 from cramming.config import register_configs, validate
 from cramming.eval.backbone import Backbone
 from cramming.eval.config import EvalRunConfig
-from cramming.eval.run import checkpoint_backbone, run_glue
+from cramming.eval.run import checkpoint_backbone, earlier_evaluation, glue_record, run_glue
 from cramming.model.checkpoint import resolve_checkpoint
 from cramming.runcard import RunCard, run_entry_point, run_job
+from cramming.trackers.session import start_trackers
 
 log = logging.getLogger("cramming")
 register_configs()
@@ -54,9 +55,14 @@ def evaluate(cfg: DictConfig, card: RunCard) -> float | None:
     log.info("evaluating %s on %s with %s", checkpoint, ", ".join(config.eval.tasks), config.eval.optim.name)
     hydra = HydraConfig.get()
     sweep_job = hydra.job.num if hydra.mode == RunMode.MULTIRUN else None  # resume=true: its own number
+    run_dir = Path(hydra.runtime.output_dir)
+    # W&B, MLflow, TensorBoard (trackers=[...]); resume=true or a requeued job continues the evaluation's runs
+    continues = earlier_evaluation(config, run_dir, sweep_job)
+    trackers = start_trackers(config.trackers, config.tracking, card, continues)
     # a stop signal ends it with EvaluationStopped, the finished runs kept in the run folder (cramming.exits)
-    report = run_glue(config, backbone, Path(hydra.runtime.output_dir), sweep_job=sweep_job)
+    report = run_glue(config, backbone, run_dir, sweep_job=sweep_job)
     card.record_glue(checkpoint, report)
+    trackers.log(glue_record(report))
     return report["glue_average"]
 
 

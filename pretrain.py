@@ -17,7 +17,8 @@ from cramming.data import PretrainingData, prepare_pretraining_data
 from cramming.eval.anytime import AnytimeEval
 from cramming.exits import RunStopped, stop_at_once
 from cramming.runcard import RunCard, run_entry_point, run_job
-from cramming.train import distributed
+from cramming.trackers.session import start_trackers
+from cramming.train import checkpoint, distributed
 from cramming.train.loop import TrainResult, train
 from cramming.train.summary import summary
 
@@ -53,8 +54,11 @@ def pretrain(cfg: DictConfig, card: RunCard) -> float | None:
         return None
     # the budget clock starts inside train(): preprocessing above does not count against it
     run_dir = distributed.rank_zero_value(ranks, Path(HydraConfig.get().runtime.output_dir))  # one for all
+    # W&B, MLflow, TensorBoard (trackers=[...]): before the budget clock starts; a resumed run continues theirs
+    continues = checkpoint.continued_run_dir(run_dir, config.resume, config.base_dir, config.name)
+    trackers = start_trackers(config.tracker_names, config.tracking, card, continues, main=ranks.is_main)
     with card.timed("train"):
-        result = train(config, data, run_dir, hooks=hooks)
+        result = train(config, data, run_dir, hooks=hooks, on_record=trackers.log)
     distributed.shutdown()
     card.record_pretraining(result)
     if result.checkpoint is None:  # stopped by a signal, after saving a resumable state (cramming.exits)

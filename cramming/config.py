@@ -23,6 +23,8 @@ from cramming.eval.anytime import AnytimeConfig
 from cramming.eval.config import EvalRunConfig
 from cramming.impl import ImplConfig
 from cramming.model.config import ArchConfig
+from cramming.trackers.config import TrackingConfig
+from cramming.trackers.registry import check_trackers
 from cramming.train.config import TrainConfig, check_batch_division
 from cramming.train.distributed import PARALLEL
 from cramming.utils import claim_run_dir
@@ -51,8 +53,13 @@ class PretrainConfig:
     resume: bool = False
     # GLUE fine-tuning of the current weights at fractions of the budget (cramming/eval/anytime.py); off by default
     anytime: AnytimeConfig = field(default_factory=AnytimeConfig)
+    # experiment trackers the run also goes to: tensorboard | wandb | mlflow (docs/tracking.md); empty: none
+    trackers: list[str] = field(default_factory=list)
+    # where they send it (W&B project and mode, MLflow URI)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
 
     def __post_init__(self) -> None:
+        check_trackers(self.trackers)
         check_choice("impl.distributed", self.impl.distributed, PARALLEL)
         if not self.budget > 0:  # also refuses nan; inf is refused by validate with every other number
             raise config_error(
@@ -67,6 +74,12 @@ class PretrainConfig:
                 self.data.seq_length,
                 f"arch {self.arch.name} covers at most arch.max_seq_length={self.arch.max_seq_length} positions",
             )
+
+    @property
+    def tracker_names(self) -> list[str]:
+        """`trackers`, and tensorboard for the deprecated train.tensorboard=true."""
+        legacy = ["tensorboard"] if self.train.tensorboard and "tensorboard" not in self.trackers else []
+        return [*self.trackers, *legacy]
 
     @property
     def data_cache_root(self) -> Path:

@@ -103,6 +103,8 @@ class RunCard:
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _beating: threading.Event | None = field(default=None, repr=False)
     _environment: dict | None = field(default=None, repr=False)
+    objective: float | None = None  # what the job returned (to an Optuna sweeper): told to the trackers
+    _on_end: list[Callable[[RunCard], None]] = field(default_factory=list, repr=False)
 
     @contextmanager
     def timed(self, part: str) -> Iterator[None]:
@@ -176,6 +178,10 @@ class RunCard:
 
         threading.Thread(target=beat, name="run-card-heartbeat", daemon=True).start()
 
+    def on_end(self, callback: Callable[[RunCard], None]) -> None:
+        """Call `callback(card)` once the card is written at the end (the trackers finish their runs)."""
+        self._on_end.append(callback)
+
     def end(self, status: str, error: str | None = None) -> None:
         if self._beating is not None:
             self._beating.set()
@@ -185,6 +191,8 @@ class RunCard:
         self.finished = _now()
         self.seconds["total"] = time.perf_counter() - self._start
         self.write()
+        for callback in self._on_end:
+            callback(self)
 
     # ------------------------------------------------------------------------------- what runs record
 
@@ -317,6 +325,7 @@ def run_job(task: Callable[[DictConfig, RunCard], float | None], cfg: DictConfig
         card.end("interrupted")
         raise
     else:
+        card.objective = objective
         card.end("ok")
         log.info("run card: %s", card.run_dir / RUN_CARD)
         return objective

@@ -1,4 +1,5 @@
-"""The end of a Hydra multirun: a summary of its jobs from their run cards, and a non-zero exit when any failed.
+"""The start and end of a Hydra multirun: the sweep as one group in the trackers (its MLflow parent run), and at
+the end a summary of its jobs from their run cards, and a non-zero exit when any failed.
 
 Registered in conf/pretrain.yaml and conf/eval.yaml under `hydra.callbacks`. Failed jobs do not stop a
 sweep (see cramming.runcard.run_job); this callback makes sure the failure is still seen at the end.
@@ -16,6 +17,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
 from cramming.runcard import RUN_CARD
+from cramming.trackers.sweep import close_sweep, open_sweep
 
 log = logging.getLogger("cramming")
 
@@ -27,10 +29,14 @@ def sweep_cards(sweep_dir: str | Path) -> list[dict]:
 
 
 class SweepSummary(Callback):
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        open_sweep(config)  # before the first job: every job, wherever it runs, nests under one parent run
+
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         sweep_dir = config.hydra.sweep.dir
         cards = sweep_cards(sweep_dir)
         failed = [card for card in cards if card["status"] != "ok"]
+        close_sweep(config, jobs=len(cards), failed=len(failed))
         for card in cards:
             log.info(
                 "job %s %s: %s", card["job"].get("num"), card["status"], " ".join(card["job"]["overrides"])

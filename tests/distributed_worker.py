@@ -214,7 +214,9 @@ def main() -> None:
         results["layerwise_error"] = refused(base, data, "train/optim=adamw_layerwise")
         results["fsdp2_8bit_error"] = refused(base, data, "train/optim=adamw_8bit", "impl.distributed=fsdp2")
         results["fsdp2_fp16_error"] = refused(base, data, "impl.precision=fp16", "impl.distributed=fsdp2")
-        results["batch_error"] = refused(base, data, "train.batch_size=8")  # 2 ranks x micro-batch 8 = 16 rows
+        results["batch_error"] = refused(
+            base, data, "train.batch_size=8"
+        )  # 2 ranks x micro-batch 8 = 16 rows
     if "fsdp2" in scenarios:
         results["fsdp2"] = steps(base, data, "name=fsdp2", "impl.distributed=fsdp2", *cuda)
         results["fsdp2_budget"] = budget_then_resume(base, data, "fsdp2", "fsdp2", *cuda)

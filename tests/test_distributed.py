@@ -211,7 +211,9 @@ def test_layerwise_and_unshardable_optimizers_are_refused(launched):
         assert "use impl.distributed=ddp" in record["fsdp2_8bit_error"]
         assert "impl.precision=bf16" in record["fsdp2_fp16_error"]
         # the batch is global: 8 rows cannot be 2 ranks' micro-batches of 8, and is refused, not trained as 16
-        assert "divisible by 16" in record["batch_error"] and "impl.microbatch_size=4" in record["batch_error"]
+        assert (
+            "divisible by 16" in record["batch_error"] and "impl.microbatch_size=4" in record["batch_error"]
+        )
 
 
 @pytest.mark.slow

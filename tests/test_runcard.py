@@ -145,22 +145,6 @@ def test_paused_budget_clock_does_not_count_the_pause():
     assert clock.elapsed() == pytest.approx(150.0)
 
 
-def test_tensorboard_writes_the_metrics_records(tmp_path):
-    pytest.importorskip("tensorboard", reason="tensorboard is an optional extra")
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    from cramming.train.tensorboard import TENSORBOARD_DIR, TensorBoardWriter
-
-    writer = TensorBoardWriter(tmp_path)
-    writer.write({"update": 10, "loss": 7.5, "lr": 1e-3, "skipped": 0})
-    writer.write({"update": 20, "loss": 6.5, "anytime": {"RTE": 0.55}, "anytime_charged": False})
-    writer.close()
-    events = EventAccumulator(str(tmp_path / TENSORBOARD_DIR))
-    events.Reload()
-    assert {"loss", "lr", "skipped", "anytime/RTE"} <= set(events.Tags()["scalars"])
-    assert [(e.step, e.value) for e in events.Scalars("loss")] == [(10, 7.5), (20, 6.5)]
-
-
 # ------------------------------------------------------------------------------------------- run folders
 
 

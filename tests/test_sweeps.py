@@ -69,7 +69,7 @@ def pretrain_sweep(base_dir, glue_dir_module) -> subprocess.CompletedProcess:
         "anytime.recipe.tasks=[RTE]",
         "anytime.recipe.max_train_examples=32",
         "anytime.recipe.max_eval_examples=32",
-        *(["train.tensorboard=true"] if HAS_TENSORBOARD else []),
+        *(["trackers=[tensorboard]"] if HAS_TENSORBOARD else []),
         "budget=0.004,-1",  # 14 s; set-up is on the budget's clock and takes seconds on a loaded CPU
         "train/optim=adamw,adamw_8bit",
     )

@@ -13,6 +13,8 @@ from cramming.eval.tasks import GLUE_SANE, GLUE_TASKS
 from cramming.impl import ImplConfig
 from cramming.optim import OPTIMIZERS
 from cramming.optim.config import OptimConfig
+from cramming.trackers.config import TrackingConfig
+from cramming.trackers.registry import check_trackers
 from cramming.train.schedules import LR_SCHEDULES
 
 # fine-tuning runs a known number of steps: the schedules of LR_SCHEDULES that count steps
@@ -178,8 +180,13 @@ class EvalRunConfig:
     # written after every run) instead of fine-tuning them again; it must have used the same checkpoint and
     # recipe. The new folder gets the whole result
     resume: bool = False
+    # experiment trackers the evaluation also goes to: tensorboard | wandb | mlflow (docs/tracking.md)
+    trackers: list[str] = field(default_factory=list)
+    # where they send it (W&B project and mode, MLflow URI)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
 
     def __post_init__(self) -> None:
+        check_trackers(self.trackers)
         if self.budget is not None and self.budget <= 0:
             raise config_error("budget", self.budget, "give hours, e.g. budget=2, or null for no limit")
         if not self.name or "/" in self.name:

@@ -256,6 +256,19 @@ def results_table(scores: dict[str, EntryScore], report: dict) -> str:
     return table
 
 
+def glue_record(report: dict) -> dict:
+    """run_glue's scores as one metrics record for the trackers: every (task, seed)'s metrics under
+    glue/<entry>/seed_<seed>/<metric>, each entry's medians over the seeds under glue/<entry>/<metric>, and
+    the GLUE average."""
+    glue: dict[str, dict] = {}
+    for run in report["runs"]:
+        for entry, metrics in run["metrics"].items():
+            glue.setdefault(entry, {})[f"seed_{run['seed']}"] = dict(metrics)
+    for entry, score in report["scores"].items():
+        glue.setdefault(entry, {}).update(score["medians"])
+    return {"glue": glue, "glue_average": report["glue_average"]}
+
+
 def run_glue(
     cfg: EvalRunConfig,
     backbone: Backbone,

@@ -84,6 +84,13 @@ def find_resumable_state(base_dir: str | Path, name: str) -> Path | None:
     return None if run_dir is None else own_state(run_dir)
 
 
+def continued_run_dir(run_dir: Path, resume: bool, base_dir: str | Path, name: str) -> Path | None:
+    """The folder whose resumable state a run in `run_dir` takes up (as cramming.train.loop loads it): its own
+    (a requeued job), else with resume=true the newest run of `name` that saved one; None for a fresh start."""
+    path = own_state(run_dir) or (find_resumable_state(base_dir, name) if resume else None)
+    return None if path is None else path.parent
+
+
 def own_state(run_dir: Path) -> Path | None:
     """state.pt (or only state.prev.pt) in the run's own folder, or None.
 

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 from cramming.errors import check_choice, config_error
 from cramming.optim.config import OptimConfig
 from cramming.train.schedules import LR_SCHEDULES
+
+log = logging.getLogger("cramming")
 
 MASKING_MODES = ("count", "probability")
 
@@ -76,10 +79,13 @@ class TrainConfig:
     # also measure on them whether the model uses context (cramming/train/context.py): the masked loss on
     # real rows against the same rows shuffled, and the targets' unigram entropy; two more forward passes
     context_diagnostic: bool = True
-    # also write the metrics records as TensorBoard events into {run_dir}/tensorboard (needs `tensorboard`)
+    # deprecated: the top-level trackers=[tensorboard] (shared with eval.py, beside wandb and mlflow); true
+    # still adds tensorboard to the run's trackers, with a warning
     tensorboard: bool = False
 
     def __post_init__(self) -> None:
+        if self.tensorboard:
+            log.warning("train.tensorboard=true is deprecated: use trackers=[tensorboard] (docs/tracking.md)")
         self.optim.check("train.optim")
         check_choice("train.lr_schedule", self.lr_schedule, LR_SCHEDULES)
         if self.batch_size < 1:

@@ -45,7 +45,6 @@ from cramming.train.mlm import MLMMasker, mlm_accuracy_counts, mlm_totals
 from cramming.train.schedules import LR_SCHEDULES, accumulation_steps, step_progress
 from cramming.train.signals import STOP_SIGNALS, StopSignals, catch_stop_signals
 from cramming.train.step import TrainStep
-from cramming.train.tensorboard import TensorBoardWriter
 from cramming.utils import peak_memory_bytes, seed_everything
 
 if TYPE_CHECKING:  # annotations only: the top-level schema also knows eval/, which train/ never imports
@@ -113,7 +112,8 @@ class Run:
     metrics_file: Path | None = None  # None: no metrics written (ranks other than 0)
     ranks: distributed.Ranks = field(default_factory=distributed.Ranks)  # a single process by default
     hooks: Sequence[EvalHook] = ()
-    tensorboard: TensorBoardWriter | None = None  # the metrics records as TensorBoard scalars too
+    # each metrics record is handed to it too (pretrain.py: the experiment trackers); rank 0 only
+    on_record: Callable[[dict], None] | None = None
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
@@ -141,6 +141,7 @@ def set_up(
     run_dir: Path,
     clock: Callable[[], float],
     hooks: Sequence[EvalHook] = (),
+    on_record: Callable[[dict], None] | None = None,
 ) -> Run:
     ranks = distributed.init_from_env(cfg.impl)  # under torchrun: its process group; else a single process
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -183,6 +184,7 @@ def set_up(
         data_identity=data_identity,
         metrics_file=run_dir / "metrics.jsonl" if ranks.is_main else None,
         ranks=ranks,
+        on_record=on_record,
     )
     if state:
         restore(run, state)
@@ -306,10 +308,12 @@ def train(
     run_dir: str | Path,
     clock: Callable[[], float] = time.monotonic,
     hooks: Sequence[EvalHook] = (),
+    on_record: Callable[[dict], None] | None = None,
 ) -> TrainResult:
     """Pretrain until the budget (or train.steps, or a stop signal) ends the run; see the module docstring.
-    hooks: evaluations run between updates when due (each returns a metrics record)."""
-    run = set_up(cfg, data, Path(run_dir), clock, hooks)
+    hooks: evaluations run between updates when due (each returns a metrics record). on_record: called with
+    every metrics record after it is written (on rank 0, at log steps only)."""
+    run = set_up(cfg, data, Path(run_dir), clock, hooks, on_record)
     with catch_stop_signals() as signals:
         run.signals = signals
         run.window = Window()  # throughput from here, set-up excluded
@@ -478,12 +482,12 @@ def write_metrics(run: Run, record: dict) -> None:
             f.write(json.dumps(record) + "\n")
     except OSError as err:  # a full disk: stop with the last saved state kept (exit 4), not a traceback
         raise WriteFailed(f"could not append to {run.metrics_file}: {err}") from err
-    if run.tensorboard is not None:
-        run.tensorboard.write(record)
+    if run.on_record is not None:
+        run.on_record(record)
 
 
 def open_reporting(run: Run, hooks: Sequence[EvalHook]) -> None:
-    """The evaluation hooks (told how much of the budget a resumed run has spent), and TensorBoard."""
+    """The evaluation hooks (told how much of the budget a resumed run has spent)."""
     if hooks and run.ranks.active:
         raise ConfigError(
             "evaluation during pretraining (anytime) runs in a single process only; run without torchrun"
@@ -491,8 +495,6 @@ def open_reporting(run: Run, hooks: Sequence[EvalHook]) -> None:
     run.hooks = tuple(hooks)
     for hook in run.hooks:
         hook.start(run.clock.fraction())  # a resumed run does not repeat the fractions it passed
-    if run.cfg.train.tensorboard and run.ranks.is_main:
-        run.tensorboard = TensorBoardWriter(run.run_dir)
 
 
 def run_hooks(run: Run) -> None:
@@ -505,11 +507,9 @@ def run_hooks(run: Run) -> None:
 
 
 def close_reporting(run: Run, final: bool) -> None:
-    """The evaluations due at the end of the budget (of the final model only), then TensorBoard."""
+    """The evaluations due at the end of the budget (of the final model only)."""
     if final:
         run_hooks(run)
-    if run.tensorboard is not None:
-        run.tensorboard.close()
 
 
 # ------------------------------------------------------------------------------------- state, resume, finish
