@@ -30,7 +30,10 @@ torch.set_num_threads(1)
 # scenario lowbit: the optimizers run under FSDP2, and how many updates (tests/test_distributed.py compares
 # them with one process)
 LOWBIT_OPTIMIZERS = ("adamw", "adamw_8bit", "adamw_4bit")
-LOWBIT_STEPS = 20
+LOWBIT_STEPS = 50
+# an FFN whose shards end inside quantization blocks: 2 ranks hold 101 x 64 of up (202, 64) and 32 x 101 of
+# down (64, 101), 6464 and 3232 elements, multiples of neither 256 (8-bit) nor 128 (4-bit)
+LOWBIT_ARCH = "arch.intermediate_size=202"
 RANK = int(os.environ["RANK"])
 
 
@@ -249,7 +252,13 @@ def main() -> None:
         results["fsdp2_budget"] = budget_then_resume(base, data, "fsdp2", "fsdp2", *cuda)
     if "lowbit" in scenarios:
         for name in LOWBIT_OPTIMIZERS:
-            overrides = (f"name=fsdp2-{name}", f"train/optim={name}", f"train.steps={LOWBIT_STEPS}", *cuda)
+            overrides = (
+                f"name=fsdp2-{name}",
+                f"train/optim={name}",
+                f"train.steps={LOWBIT_STEPS}",
+                LOWBIT_ARCH,
+            )
+            overrides += cuda
             results[f"fsdp2_{name}"] = steps(base, data, *overrides, "impl.distributed=fsdp2")
         results["fsdp2_4bit_budget"] = budget_then_resume(
             base, data, "fsdp2-4bit", "fsdp2", "train/optim=adamw_4bit", *cuda
