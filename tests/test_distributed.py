@@ -428,6 +428,22 @@ def test_the_state_line_says_ddp_replicates_the_state():
     assert "ranks" not in format_state_report(report)
 
 
+def test_a_shard_state_resumes_only_with_as_many_fsdp2_ranks():
+    fsdp2 = distributed.Ranks(world_size=2, mode="fsdp2")
+    shards = {"param_groups": [], "rank_states": [{}, {}]}
+    distributed._check_shard_states(shards, True, fsdp2)  # the same job shape: loads
+    for ranks, shard_state in (
+        (distributed.Ranks(world_size=4, mode="fsdp2"), True),
+        (distributed.Ranks(), False),
+    ):
+        with pytest.raises(ConfigError, match="same number of processes"):
+            distributed._check_shard_states(shards, shard_state, ranks)
+    whole = {"param_groups": [], "state": {0: {"step": 1, "m_codes": torch.zeros(4, dtype=torch.uint8)}}}
+    with pytest.raises(ConfigError, match="whole tensors"):
+        distributed._check_shard_states(whole, True, fsdp2)
+    distributed._check_shard_states(whole, False, distributed.Ranks())  # one process: loads as before
+
+
 def test_impl_distributed_is_checked(tmp_path):
     with pytest.raises(ConfigError, match="impl.distributed"):
         make_config(tmp_path, "impl.distributed=deepspeed")

@@ -2,7 +2,8 @@
 
 A subclass says only how its moments look (`_moment_specs`) and how a gradient becomes a normalized update
 (`_direction`); this class allocates the state, projects the 2-D weights of GaLore groups, applies the
-decoupled weight decay and the learning rate, and runs either as a normal optimizer or layerwise.
+decoupled weight decay and the learning rate, and runs either as a normal optimizer or layerwise. Under
+FSDP2 each rank updates its own shard of every parameter, with moments of the shard's shape (_step_param).
 
 Param-group keys, besides lr and weight_decay:
     rank             0: plain update; > 0: GaLore projection of this group's (2-D) parameters

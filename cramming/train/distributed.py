@@ -17,7 +17,8 @@ What N processes compute is what one process computes with an N times larger mic
     time and on any rank's stop signal (`AgreedClock.agree`), so they stop after the same micro-batch and the
     schedule reads the same budget fraction everywhere.
 Only rank 0 logs (the others keep warnings), writes metrics, the resumable state and the final checkpoint;
-under FSDP2 the full state is gathered for them. A resumed run reads the state file on every rank: with
+under FSDP2 the full state is gathered for them (the 8-/4-bit optimizers' per-rank shard states as each rank
+holds them: they resume with the same number of FSDP2 ranks). A resumed run reads the state file on every rank: with
 several machines, base_dir must be on a shared file system.
 """
 
