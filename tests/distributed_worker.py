@@ -2,7 +2,7 @@
 
     torchrun --standalone --nproc_per_node=2 tests/distributed_worker.py OUT_DIR SCENARIO...
 
-SCENARIO: ddp, optimizers, fsdp2; add `cuda` to run them on GPUs (nccl) instead of the CPU (gloo).
+SCENARIO: ddp, optimizers, fsdp2, lowbit (AdamW with 32-, 8- and 4-bit moments under FSDP2); add `cuda` to run them on GPUs (nccl) instead of the CPU (gloo).
 
 Each scenario trains the tiny model of tests/test_train.py with loop.train() and records, per rank, what the
 tests check (progress, stop reason, parameter differences to rank 0 after every update, gradient all-reduces
@@ -23,9 +23,17 @@ import torch.distributed as dist
 from test_train import FakeClock, make_config, run_dir, synthetic_data
 
 from cramming.errors import ConfigError
+from cramming.optim import optimizer_state_report
 from cramming.train import distributed, loop
 
 torch.set_num_threads(1)
+# scenario lowbit: the optimizers run under FSDP2, and how many updates (tests/test_distributed.py compares
+# them with one process)
+LOWBIT_OPTIMIZERS = ("adamw", "adamw_8bit", "adamw_4bit")
+LOWBIT_STEPS = 50
+# an FFN whose shards end inside quantization blocks: 2 ranks hold 101 x 64 of up (202, 64) and 32 x 101 of
+# down (64, 101), 6464 and 3232 elements, multiples of neither 256 (8-bit) nor 128 (4-bit)
+LOWBIT_ARCH = "arch.intermediate_size=202"
 RANK = int(os.environ["RANK"])
 
 
@@ -126,6 +134,20 @@ def ticking(clock: FakeClock, signal_at: int | None = None):
     return patched(loop, "forward_backward", make)
 
 
+def state_report(reports: list[dict]):
+    """The optimizer state report (this rank's bytes) after the run's last update."""
+
+    def make(apply_update):
+        def reported(run, loss):
+            applied = apply_update(run, loss)
+            reports[:] = [optimizer_state_report(run.optimizer)]
+            return applied
+
+        return reported
+
+    return patched(loop, "apply_update", make)
+
+
 def summary(result: loop.TrainResult) -> dict:
     return {
         "reason": result.stop_reason,
@@ -151,18 +173,20 @@ def steps(base: Path, data, *overrides: str) -> dict:
     )
     differences: list[float] = []
     allreduces: list[int] = []
+    reports: list[dict] = []
     with contextlib.ExitStack() as stack:
         stack.enter_context(watch_parameters(differences))
+        stack.enter_context(state_report(reports))
         if cfg.impl.distributed == "ddp":
             stack.enter_context(count_allreduces(allreduces))
         result = loop.train(cfg, data, run_dir(cfg))
-    return {**summary(result), "differences": differences, "allreduces": allreduces}
+    return {**summary(result), "differences": differences, "allreduces": allreduces, "state": reports[0]}
 
 
 def budget_then_resume(base: Path, data, prefix: str, mode: str, *overrides: str) -> dict:
     """A fake-clock budget run in `mode` (rank 1's clock runs 3x slower than rank 0's); then the same run
     interrupted by SIGINT on rank 1 during its 4th micro-batch and resumed, in the same mode and ("crossed")
-    in the other one."""
+    in the other one. A resume refused with ConfigError is recorded as `<leg>_error`."""
     tick = 60.0 if RANK == 0 else 20.0
     common = ("budget=0.1", "train.batch_size=32", "train.batch_size_ramp=0", "train.log_every=1", *overrides)
     clock = FakeClock(tick)
@@ -180,9 +204,13 @@ def budget_then_resume(base: Path, data, prefix: str, mode: str, *overrides: str
         cfg = make_config(
             base, f"name={prefix}-{leg}", "resume=true", f"impl.distributed={resume_mode}", *common
         )
-        with ticking(clock):
-            resumed = loop.train(cfg, data, run_dir(cfg, "2026-01-01_01-00-00"), clock=clock)
         results["interrupted" if leg == "resumed" else "crossed_interrupted"] = summary(interrupted)
+        try:
+            with ticking(clock):
+                resumed = loop.train(cfg, data, run_dir(cfg, "2026-01-01_01-00-00"), clock=clock)
+        except ConfigError as err:
+            results[f"{leg}_error"] = str(err)
+            continue
         results[leg] = summary(resumed)
     return results
 
@@ -212,7 +240,9 @@ def main() -> None:
             overrides = (f"name={name}", f"train/optim={name}", "train.optim.rank=8", "train.steps=2", *cuda)
             results[name] = steps(base, data, *overrides)
         results["layerwise_error"] = refused(base, data, "train/optim=adamw_layerwise")
-        results["fsdp2_8bit_error"] = refused(base, data, "train/optim=adamw_8bit", "impl.distributed=fsdp2")
+        results["fsdp2_galore_error"] = refused(
+            base, data, "train/optim=galore_adamw_8bit", "impl.distributed=fsdp2"
+        )
         results["fsdp2_fp16_error"] = refused(base, data, "impl.precision=fp16", "impl.distributed=fsdp2")
         results["batch_error"] = refused(
             base, data, "train.batch_size=8"
@@ -220,6 +250,19 @@ def main() -> None:
     if "fsdp2" in scenarios:
         results["fsdp2"] = steps(base, data, "name=fsdp2", "impl.distributed=fsdp2", *cuda)
         results["fsdp2_budget"] = budget_then_resume(base, data, "fsdp2", "fsdp2", *cuda)
+    if "lowbit" in scenarios:
+        for name in LOWBIT_OPTIMIZERS:
+            overrides = (
+                f"name=fsdp2-{name}",
+                f"train/optim={name}",
+                f"train.steps={LOWBIT_STEPS}",
+                LOWBIT_ARCH,
+            )
+            overrides += cuda
+            results[f"fsdp2_{name}"] = steps(base, data, *overrides, "impl.distributed=fsdp2")
+        results["fsdp2_4bit_budget"] = budget_then_resume(
+            base, data, "fsdp2-4bit", "fsdp2", "train/optim=adamw_4bit", *cuda
+        )
     (out / f"rank{RANK}.json").write_text(json.dumps(results, indent=1))
     distributed.shutdown()
 

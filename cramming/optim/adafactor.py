@@ -42,7 +42,7 @@ class Adafactor(LeanOptimizer):
         }
         super().__init__(params, defaults, layerwise=layerwise, max_grad_norm=max_grad_norm)
 
-    def _moment_specs(self, shape: tuple[int, ...], group: dict) -> StateSpec:
+    def _moment_specs(self, shape: tuple[int, ...], group: dict, whole_numel: int | None = None) -> StateSpec:
         if len(shape) == 2:
             return {
                 "exp_avg_sq_row": ((shape[0],), torch.float32),

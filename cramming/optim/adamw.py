@@ -23,7 +23,7 @@ from collections.abc import Iterable
 import torch
 
 from cramming.kernels import triton_status
-from cramming.optim.base import LeanOptimizer, StateSpec
+from cramming.optim.base import LeanOptimizer, StateSpec, local_part
 from cramming.optim.lowbit import (
     RANK1_DYNAMIC4,
     AdamScalars,
@@ -126,16 +126,16 @@ class AdamW(LeanOptimizer):
         """The state precision of a tensor of `numel` elements in `group`."""
         return group["optim_bits"] if numel >= group["min_8bit_size"] else 32
 
-    def _moment_specs(self, shape: tuple[int, ...], group: dict) -> StateSpec:
-        bits = self._bits(math.prod(shape), group)
+    def _moment_specs(self, shape: tuple[int, ...], group: dict, whole_numel: int | None = None) -> StateSpec:
+        bits = self._bits(math.prod(shape) if whole_numel is None else whole_numel, group)
         if bits == 8:
             return specs_8bit(math.prod(shape))
         if bits == 4:
             return specs_4bit(shape)
         return {"exp_avg": (shape, torch.float32), "exp_avg_sq": (shape, torch.float32)}
 
-    def _state_tags(self, shape: tuple[int, ...], group: dict) -> dict:
-        bits = self._bits(math.prod(shape), group)
+    def _state_tags(self, shape: tuple[int, ...], group: dict, whole_numel: int | None = None) -> dict:
+        bits = self._bits(math.prod(shape) if whole_numel is None else whole_numel, group)
         if bits == 4:
             return {"v_map": RANK1_DYNAMIC4, "m_format": self._first_moment_format(group)}
         return {"v_map": self.second_moment_map} if bits == 8 else {}
@@ -265,7 +265,11 @@ class AdamW(LeanOptimizer):
                     )
                     convert_second_moment(moments, saved, wanted)
                 else:
-                    shape = self.moment_shape(param, group)
+                    shape = (
+                        tuple(local_part(param).shape)
+                        if group["rank"] == 0
+                        else self.moment_shape(param, group)
+                    )
                     maps4 = self._quant_maps(state["m_codes"].device)[2]
                     wanted_m = self._first_moment_format(group)
                     convert_first_moment_4bit(state, shape, maps4, saved_first_moment_format(state), wanted_m)

@@ -2,7 +2,8 @@
 
 A subclass says only how its moments look (`_moment_specs`) and how a gradient becomes a normalized update
 (`_direction`); this class allocates the state, projects the 2-D weights of GaLore groups, applies the
-decoupled weight decay and the learning rate, and runs either as a normal optimizer or layerwise.
+decoupled weight decay and the learning rate, and runs either as a normal optimizer or layerwise. Under
+FSDP2 each rank updates its own shard of every parameter, with moments of the shard's shape (_step_param).
 
 Param-group keys, besides lr and weight_decay:
     rank             0: plain update; > 0: GaLore projection of this group's (2-D) parameters
@@ -40,6 +41,18 @@ from cramming.errors import ConfigError
 from cramming.optim import galore
 
 StateSpec = dict[str, tuple[tuple[int, ...], torch.dtype]]
+
+
+def is_sharded(tensor: torch.Tensor) -> bool:
+    """Whether `tensor` is a DTensor: FSDP2 (`fully_shard`) hands the optimizer its parameters as DTensors
+    sharded on dim 0, and their gradients likewise."""
+    return hasattr(tensor, "to_local") and hasattr(tensor, "placements")
+
+
+def local_part(tensor: torch.Tensor) -> torch.Tensor:
+    """The part of `tensor` this process holds and updates: a DTensor's local shard (a view: in-place
+    updates of it update the parameter), anything else itself."""
+    return tensor.to_local() if is_sharded(tensor) else tensor
 
 
 class LeanOptimizer(torch.optim.Optimizer):
@@ -82,12 +95,16 @@ class LeanOptimizer(torch.optim.Optimizer):
 
     # --- what a subclass provides -------------------------------------------------------------------
 
-    def _moment_specs(self, shape: tuple[int, ...], group: dict) -> StateSpec:
-        """The state tensors (besides projectors) for moments of `shape`: name -> (shape, dtype)."""
+    def _moment_specs(self, shape: tuple[int, ...], group: dict, whole_numel: int | None = None) -> StateSpec:
+        """The state tensors (besides projectors) for moments of `shape`: name -> (shape, dtype).
+
+        whole_numel: when `shape` is one rank's shard (FSDP2), the element count of the whole tensor, so that
+        any choice made by size (AdamW's min_8bit_size) is the same on every rank and as in one process."""
         raise NotImplementedError
 
-    def _state_tags(self, shape: tuple[int, ...], group: dict) -> dict:
-        """Plain (non-tensor) entries a fresh state of moments of `shape` starts with, e.g. its format."""
+    def _state_tags(self, shape: tuple[int, ...], group: dict, whole_numel: int | None = None) -> dict:
+        """Plain (non-tensor) entries a fresh state of moments of `shape` starts with, e.g. its format
+        (whole_numel as for _moment_specs)."""
         return {}
 
     def _direction(self, grad: torch.Tensor, state: dict, group: dict, step: int) -> torch.Tensor:
@@ -114,7 +131,11 @@ class LeanOptimizer(torch.optim.Optimizer):
         return tuple(param.shape)
 
     def state_spec(self, param: torch.Tensor, group: dict) -> StateSpec:
-        """Every state tensor this parameter will have, predicted without a step (for the memory report)."""
+        """Every state tensor this parameter will have, predicted without a step (for the memory report).
+        A sharded parameter's state is that of its local shard (see _step_param)."""
+        if is_sharded(param):
+            self._refuse_sharded_galore(group)
+            return self._moment_specs(tuple(local_part(param).shape), group, whole_numel=param.numel())
         if group["rank"] > 0:
             shape2d = tuple(param.shape)
             spec = self._moment_specs(
@@ -125,16 +146,32 @@ class LeanOptimizer(torch.optim.Optimizer):
             return spec
         return self._moment_specs(tuple(param.shape), group)
 
+    @staticmethod
+    def _refuse_sharded_galore(group: dict) -> None:
+        if group["rank"] > 0:
+            raise ConfigError(
+                "GaLore projects whole matrices, and FSDP2 gave this optimizer shards of them: use "
+                "impl.distributed=ddp with galore_* optimizers"
+            )
+
     def _step_param(self, param: torch.Tensor, grad: torch.Tensor, group: dict) -> None:
+        """One parameter's update. Under FSDP2 (a DTensor `param`) each rank updates its own shard with
+        moments of the shard's shape, held as plain local tensors: the update is elementwise, and quantized
+        moments take their block scales over the shard (blocks end at the shard's boundary)."""
         state = self.state[param]
         if not state:
             state["step"] = 0
             for key, (shape, dtype) in self.state_spec(param, group).items():
                 if not key.startswith("galore_"):  # projectors come from the first SVD
                     state[key] = torch.zeros(shape, dtype=dtype, device=param.device)
-            state.update(self._state_tags(self.moment_shape(param, group), group))
+            whole_numel = param.numel() if is_sharded(param) else None
+            state.update(self._state_tags(self.moment_shape(param, group), group, whole_numel))
         state["step"] += 1
         step = state["step"]
+        if is_sharded(param):
+            param, grad = local_part(param), local_part(grad)
+            if param.numel() == 0:  # a tensor of fewer rows than ranks: this rank holds none of it
+                return
         if group["rank"] == 0:
             self._update_full(param, grad, state, group, step)
             return

@@ -17,7 +17,8 @@ What N processes compute is what one process computes with an N times larger mic
     time and on any rank's stop signal (`AgreedClock.agree`), so they stop after the same micro-batch and the
     schedule reads the same budget fraction everywhere.
 Only rank 0 logs (the others keep warnings), writes metrics, the resumable state and the final checkpoint;
-under FSDP2 the full state is gathered for them. A resumed run reads the state file on every rank: with
+under FSDP2 the full state is gathered for them (the 8-/4-bit optimizers' per-rank shard states as each rank
+holds them: they resume with the same number of FSDP2 ranks). A resumed run reads the state file on every rank: with
 several machines, base_dir must be on a shared file system.
 """
 
@@ -39,6 +40,7 @@ from cramming.budget import BudgetClock
 from cramming.errors import ConfigError
 from cramming.impl import ImplConfig
 from cramming.model.checkpoint import unwrap
+from cramming.optim.base import LeanOptimizer
 from cramming.utils import launched_by_torchrun
 
 log = logging.getLogger("cramming")
@@ -226,8 +228,11 @@ def _reshape_lifted(model: nn.Module, model_state: dict, optimizer_state: dict |
 
 # impl.distributed -> wrapper; DDP returns a wrapper module, fully_shard shards the model in place
 PARALLEL: dict[str, Callable[[nn.Module, torch.device], nn.Module]] = {"ddp": _ddp, "fsdp2": _fsdp2}
-# FSDP2 hands optimizers DTensor shards: a GaLore projection or our 8-bit blocks need whole tensors
-FSDP2_OPTIMIZERS = ("adamw",)
+# FSDP2 hands optimizers DTensor shards (dim 0). These update each rank's shard by itself: AdamW is
+# elementwise, and the 8-/4-bit forms quantize each rank's shard of a moment on its own (LeanOptimizer
+# ._step_param). GaLore projects whole matrices, and the layerwise forms step inside backward, before FSDP2's
+# reduce-scatter: both need DDP (or a single process) for now.
+FSDP2_OPTIMIZERS = ("adamw", "adamw_8bit", "adamw_4bit")
 
 
 def prepare_model(model: nn.Module, ranks: Ranks, optim_name: str, dtype: torch.dtype) -> nn.Module:
@@ -238,7 +243,8 @@ def prepare_model(model: nn.Module, ranks: Ranks, optim_name: str, dtype: torch.
     if ranks.mode == "fsdp2" and optim_name not in FSDP2_OPTIMIZERS:
         raise ConfigError(
             f"impl.distributed=fsdp2 shards every tensor, which train.optim.name={optim_name} cannot update"
-            f" (it needs whole matrices); use impl.distributed=ddp, or train/optim={'/'.join(FSDP2_OPTIMIZERS)}"
+            " (GaLore needs whole matrices; a layerwise update runs before the gradients are reduced); use"
+            f" impl.distributed=ddp, or train/optim={'/'.join(FSDP2_OPTIMIZERS)}"
         )
     if ranks.mode == "fsdp2" and dtype == torch.float16:
         # each rank would check only its own gradient shard for overflow, and the ranks could disagree
@@ -301,19 +307,67 @@ def _by_name(state: dict, names: list[str]) -> dict:
     }
 
 
+def _holds_shard_state(optimizer: torch.optim.Optimizer, ranks: Ranks) -> bool:
+    """Whether each rank's optimizer state is its own plain tensors (our optimizers under FSDP2), which
+    torch.distributed.checkpoint's full state dict cannot gather: it gathers DTensors, and per-shard
+    quantization blocks and packed codes do not concatenate into the whole tensor's."""
+    return ranks.active and ranks.mode == "fsdp2" and isinstance(optimizer, LeanOptimizer)
+
+
+def _gathered_shard_states(optimizer: torch.optim.Optimizer, ranks: Ranks) -> dict:
+    """Every rank's optimizer state dict (on the CPU), gathered to rank 0 as {"param_groups": ...,
+    "rank_states": [rank 0's "state", rank 1's, ...]}; {} on the other ranks. Collective. The codes and
+    scales are kept as each rank holds them, so the same number of ranks resumes them exactly."""
+    own = optimizer.state_dict()
+    state = {
+        i: {k: v.cpu() if torch.is_tensor(v) else v for k, v in s.items()} for i, s in own["state"].items()
+    }
+    gathered = [None] * ranks.world_size if ranks.is_main else None
+    dist.gather_object(state, gathered, dst=0, group=ranks.control)
+    if not ranks.is_main:
+        return {}
+    return {"param_groups": own["param_groups"], "rank_states": gathered}
+
+
+def _check_shard_states(optimizer_state: dict, shard_state: bool, ranks: Ranks) -> None:
+    """Refuse a saved optimizer state this job cannot load exactly: per-rank shard states for another
+    number of ranks or another mode, or a whole-tensor quantized state for our optimizers under FSDP2."""
+    saved = optimizer_state.get("rank_states")
+    if saved is not None and not (shard_state and len(saved) == ranks.world_size):
+        raise ConfigError(
+            f"the saved optimizer state is {len(saved)} FSDP2 ranks' shards, and this job is"
+            f" {ranks.world_size} process(es) with impl.distributed={ranks.mode}: resume with the same number"
+            " of processes and impl.distributed=fsdp2 (changing the world size of an 8-/4-bit state is not"
+            " supported yet)"
+        )
+    if saved is None and shard_state and optimizer_state.get("state"):
+        raise ConfigError(
+            "the saved optimizer state holds whole tensors (a single process or DDP), and under"
+            " impl.distributed=fsdp2 this optimizer holds per-rank shards: resume with impl.distributed=ddp"
+            " or the number of processes that saved it"
+        )
+
+
 def full_state(model: nn.Module, optimizer: torch.optim.Optimizer, ranks: Ranks) -> tuple[dict, dict]:
     """Model and optimizer state dicts as one process has them (plain keys, whole tensors, optimizer state by
     parameter index), so a state saved by any number of ranks resumes on any other. Collective under FSDP2,
-    where the ranks other than 0 get empty dicts."""
+    where the ranks other than 0 get empty dicts. Our optimizers under FSDP2 keep per-rank shard states
+    (see _gathered_shard_states), which resume with the same number of ranks only."""
     if not (ranks.active and ranks.mode == "fsdp2"):
         return model.state_dict(), optimizer.state_dict()
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
     options = _fsdp2_options(cpu_offload=True)
     model_state = get_model_state_dict(model, options=options)
-    optimizer_state = get_optimizer_state_dict(model, optimizer, options=options)
+    if _holds_shard_state(optimizer, ranks):
+        optimizer_state = _gathered_shard_states(optimizer, ranks)
+    else:
+        optimizer_state = get_optimizer_state_dict(model, optimizer, options=options)
     if not ranks.is_main:
         return {}, {}
+    if _holds_shard_state(optimizer, ranks):
+        _reshape_lifted(model, model_state, None, lift=False)
+        return model_state, optimizer_state
     _reshape_lifted(model, model_state, optimizer_state, lift=False)
     return model_state, _by_index(optimizer_state, _param_names(model, optimizer))
 
@@ -322,6 +376,8 @@ def load_full_state(
     model: nn.Module, optimizer: torch.optim.Optimizer, model_state: dict, optimizer_state: dict, ranks: Ranks
 ) -> None:
     """The inverse of full_state; every rank passes the whole saved state."""
+    shard_state = _holds_shard_state(optimizer, ranks)
+    _check_shard_states(optimizer_state, shard_state, ranks)
     if not (ranks.active and ranks.mode == "fsdp2"):
         model.load_state_dict(model_state)
         optimizer.load_state_dict(optimizer_state)
@@ -329,6 +385,14 @@ def load_full_state(
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
     model_state = dict(model_state)
+    if shard_state:
+        _reshape_lifted(model, model_state, None, lift=True)
+        set_model_state_dict(model, model_state, options=_fsdp2_options())
+        rank_states = optimizer_state.get("rank_states", [{}] * ranks.world_size)
+        optimizer.load_state_dict(
+            {"state": rank_states[ranks.rank], "param_groups": optimizer_state["param_groups"]}
+        )
+        return
     named = _by_name(optimizer_state, _param_names(model, optimizer))
     _reshape_lifted(model, model_state, named, lift=True)
     set_model_state_dict(model, model_state, options=_fsdp2_options())

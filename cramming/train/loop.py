@@ -238,7 +238,11 @@ def make_train_step(
     optimizer = build_optimizer(model, cfg.train.optim, max_grad_norm=cfg.train.grad_clip)
     train = cfg.train
     most_accumulation = accumulation_steps(1.0, train.batch_size, microbatch_size * ranks.world_size, 0.0)
-    log.info("optimizer %s: %s", train.optim.name, format_state_report(optimizer_state_report(optimizer)))
+    log.info(
+        "optimizer %s: %s",
+        train.optim.name,
+        format_state_report(optimizer_state_report(optimizer), ranks.world_size),
+    )
     return TrainStep(
         model,
         optimizer,
