@@ -33,6 +33,13 @@ class RunStopped(Exception):
         self.resumable = resumable  # False: nothing was kept, the same command starts again
 
 
+def first_line(err: BaseException) -> str:
+    """The first line of an error's message (its type's name when it has none): what a one-line message quotes
+    of a library's multi-line error."""
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
 def config_error(key: str, value: Any, fix: str) -> ConfigError:
     return ConfigError(f"bad value for `{key}`: {value!r}. {fix}")
 

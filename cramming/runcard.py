@@ -44,7 +44,7 @@ from omegaconf.errors import OmegaConfBaseException
 from cramming import exits
 from cramming.errors import ConfigError, WriteFailed
 from cramming.impl import DEVICES, DTYPES, ImplConfig, cpu_bf16_support
-from cramming.utils import atomic_write_text, process_rank
+from cramming.utils import atomic_write_text, process_alive, process_rank
 
 if TYPE_CHECKING:
     from cramming.train.loop import TrainResult
@@ -276,12 +276,10 @@ def card_status(card: dict, now: dt.datetime | None = None) -> str:
         age = (now or dt.datetime.now(dt.timezone.utc)) - dt.datetime.fromisoformat(beat)
         return "killed" if age.total_seconds() > STALE_AFTER_SECONDS else status
     try:
-        os.kill(int(process["pid"]), 0)  # signal 0: only asks whether the process exists
-    except ProcessLookupError:
-        return "killed"
-    except (PermissionError, KeyError, TypeError, ValueError):  # alive under another user, or no pid
-        pass
-    return status
+        pid = int(process["pid"])
+    except (KeyError, TypeError, ValueError):  # a card without a pid: what it says stands
+        return status
+    return status if process_alive(pid) else "killed"
 
 
 # ------------------------------------------------------------------------------------------- running a job

@@ -19,7 +19,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModel, AutoModelForMaskedLM, PretrainedConfig
 
 import cramming.hf  # noqa: F401  (registers crammed_bert: our own exports need no remote code)
-from cramming.errors import ConfigError
+from cramming.errors import ConfigError, first_line
 from cramming.eval.backbone import Backbone
 from cramming.model.checkpoint import CheckpointUnreadable
 
@@ -94,7 +94,7 @@ def naming(path: Path, what: str = "") -> Iterator[None]:
     except (ConfigError, FileNotFoundError, ImportError):
         raise
     except Exception as err:
-        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        reason = first_line(err)
         raise CheckpointUnreadable(
             f"{path}{' (' + what + ')' if what else ''} does not load ({type(err).__name__}: {reason}): the"
             " transformers folder is damaged or incomplete. Save or copy it again, or evaluate another model"

@@ -27,7 +27,7 @@ from safetensors.torch import load_model, save_model
 from tokenizers import Tokenizer
 from torch import nn
 
-from cramming.errors import ConfigError, WriteFailed
+from cramming.errors import ConfigError, WriteFailed, first_line
 from cramming.model.bert import BertForMLM
 from cramming.model.build import build_model
 from cramming.model.config import ArchConfig
@@ -158,7 +158,7 @@ def _naming(path: Path) -> Iterator[None]:
     try:
         yield
     except Exception as err:
-        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        reason = first_line(err)
         raise CheckpointUnreadable(
             f"{path} does not load ({type(err).__name__}: {reason}): the checkpoint is damaged or incomplete"
             f" (a copy cut short?). Copy the run folder again, or evaluate another run"

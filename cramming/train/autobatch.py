@@ -30,6 +30,7 @@ from torch import nn
 from cramming.errors import ConfigError
 from cramming.model import ArchConfig
 from cramming.train.mlm import MLMMasker
+from cramming.train.schedules import largest_divisor
 from cramming.train.step import TrainStep
 from cramming.utils import atomic_write_text
 
@@ -64,11 +65,6 @@ def powers_of_two(most: int, least: int = 1) -> list[int]:
         sizes.append(size)
         size *= 2
     return sizes
-
-
-def largest_divisor(number: int, at_most: int) -> int:
-    """The largest divisor of `number` that is at most `at_most` (1 at least)."""
-    return max(d for d in range(1, max(1, min(number, at_most)) + 1) if number % d == 0)
 
 
 def search(

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from cramming.errors import ConfigError, WriteFailed
+from cramming.errors import ConfigError, WriteFailed, first_line
 from cramming.utils import atomic_file, check_free_space, newest_run_dir, process_alive, tensor_bytes
 
 log = logging.getLogger("cramming")
@@ -45,7 +45,7 @@ def save_state(path: str | Path, state: dict) -> None:
             with atomic_file(staged) as f:
                 torch.save(state, f)  # its writer reports a full disk as a RuntimeError
         except (RuntimeError, WriteFailed) as err:
-            reason = str(err).strip().splitlines()[0]
+            reason = first_line(err)
             raise WriteFailed(f"could not write the resumable state {path} ({reason}); {kept}") from err
         if path.exists():
             _replace_with_copy(path, path.with_name(PREVIOUS))
@@ -71,7 +71,7 @@ def load_state(path: str | Path) -> dict:
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # PytorchStreamReader errors, UnpicklingError, EOFError, ...: one clear message
-        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        reason = first_line(err)
         raise StateUnreadable(f"{path} does not load as a resumable state ({reason})") from err
     if not isinstance(state, dict) or "version" not in state:
         raise StateUnreadable(f"{path} does not load as a resumable state (not a state dictionary)")

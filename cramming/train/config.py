@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from cramming.errors import check_choice, config_error
 from cramming.optim.config import OptimConfig
-from cramming.train.schedules import LR_SCHEDULES
+from cramming.train.schedules import LR_SCHEDULES, largest_divisor
 
 log = logging.getLogger("cramming")
 
@@ -137,10 +137,13 @@ def check_batch_division(batch_size: int, microbatch_size: int | str, world_size
     per_update = microbatch_size * world_size
     if batch_size % per_update == 0:
         return
-    divisors = [d for d in range(1, batch_size + 1) if batch_size % (d * world_size) == 0]
-    below = max((d for d in divisors if d <= microbatch_size), default=None)
+    fits = batch_size % world_size == 0  # else no micro-batch forms it on every process alike
     where = f" on each of {world_size} processes" if world_size > 1 else ""
-    hint = f"impl.microbatch_size={below}" if below is not None else "another train.batch_size"
+    hint = (
+        f"impl.microbatch_size={largest_divisor(batch_size // world_size, microbatch_size)}"
+        if fits
+        else "another train.batch_size"
+    )
     raise config_error(
         "train.batch_size",
         batch_size,

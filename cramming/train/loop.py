@@ -212,20 +212,19 @@ def choose_microbatch_size(
     """impl.microbatch_size, or with `auto` the searched one: now, on the budget's clock, before any
     optimizer hook. Returned, never written back into the config. Either way it must form train.batch_size
     exactly on this many processes."""
-    if cfg.impl.microbatch_size != "auto":
-        check_batch_division(cfg.train.batch_size, cfg.impl.microbatch_size, ranks.world_size)
-        return cfg.impl.microbatch_size
-    chosen = autobatch.choose_microbatch(
-        model,
-        masker,
-        ranks.device,
-        dtype,
-        seq_length,
-        cache_path=Path(cfg.base_dir) / autobatch.CACHE_FILE,
-        most=cfg.train.batch_size,
-        time_limit=autobatch.time_limit_for(cfg.budget),
-        search_allowed=ranks.world_size == 1,
-    )
+    chosen = cfg.impl.microbatch_size
+    if chosen == "auto":
+        chosen = autobatch.choose_microbatch(
+            model,
+            masker,
+            ranks.device,
+            dtype,
+            seq_length,
+            cache_path=Path(cfg.base_dir) / autobatch.CACHE_FILE,
+            most=cfg.train.batch_size,
+            time_limit=autobatch.time_limit_for(cfg.budget),
+            search_allowed=ranks.world_size == 1,
+        )
     check_batch_division(cfg.train.batch_size, chosen, ranks.world_size)
     return chosen
 

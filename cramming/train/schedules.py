@@ -77,6 +77,12 @@ def ramped_batch_size(progress: float, batch_size: int, ramp: float, start: int)
     return start + (batch_size - start) * progress / ramp
 
 
+def largest_divisor(number: int, at_most: int) -> int:
+    """The largest divisor of `number` that is at most `at_most` (1 at least): the micro-batch that forms a
+    batch of `number` sequences exactly."""
+    return max(d for d in range(1, max(1, min(number, at_most)) + 1) if number % d == 0)
+
+
 def accumulation_steps(
     progress: float, batch_size: int, microbatch_size: int, ramp: float, start: int = 128
 ) -> int:
