@@ -279,13 +279,15 @@ def test_join_with_separator():
     assert join_with_separator(values, offsets, 9).tolist() == [1, 2, 9, 9, 3, 4, 5, 6, 9]
 
 
-@pytest.mark.parametrize("seq_length", [16, 128])
-def test_rows_are_exact_and_reproduce_the_documents(tmp_path, corpus, data_config, seq_length):
-    """Every row has seq_length tokens; the rows, concatenated, are the documents joined with [SEP]."""
+@pytest.mark.parametrize(("seq_length", "row_start"), [(16, "none"), (128, "none"), (16, "cls")])
+def test_rows_are_exact_and_reproduce_the_documents(tmp_path, corpus, data_config, seq_length, row_start):
+    """Every row has seq_length tokens; the rows, concatenated, are the documents joined with [SEP]. With
+    data.row_start=cls each row is [CLS] and then the next seq_length - 1 tokens of that stream."""
     cfg = data_config(
         corpus,
         {
             "seq_length": seq_length,
+            "row_start": row_start,
             "ordering": "none",
             "validation_fraction": 0.0,
             "filter.min_chars": 1,
@@ -301,10 +303,27 @@ def test_rows_are_exact_and_reproduce_the_documents(tmp_path, corpus, data_confi
     stream = []
     for text in texts:
         stream += data.tokenizer.encode(text, add_special_tokens=False).ids + [data.special.sep]
+    if row_start == "cls":
+        assert np.all(rows[:, 0] == data.special.cls)
+        rows = rows[:, 1:]
     n = rows.size
-    assert len(stream) - n < seq_length  # only the last partial row is dropped
+    assert len(stream) - n < rows.shape[1]  # only the last partial row is dropped
     np.testing.assert_array_equal(rows.ravel(), np.array(stream[:n]))
     assert data.stats["train_tokens"] == len(stream)
+
+
+def test_row_start_is_checked_and_only_its_new_value_changes_the_cache_key(corpus, data_config, monkeypatch):
+    with pytest.raises(ConfigError, match="data.row_start"):
+        data_config(corpus, {"row_start": "sep"})
+    plain, cls_rows = data_config(corpus), data_config(corpus, {"row_start": "cls"})
+    assert pipeline_module.cache_key(plain) != pipeline_module.cache_key(cls_rows)
+    # the default hashes as a config from before the option existed did, so earlier caches are found again
+    default_key = pipeline_module.cache_key(plain)
+    as_dict = pipeline_module.asdict
+    monkeypatch.setattr(
+        pipeline_module, "asdict", lambda cfg: {k: v for k, v in as_dict(cfg).items() if k != "row_start"}
+    )
+    assert pipeline_module.cache_key(plain) == default_key
 
 
 def test_orderings_and_row_cap(tmp_path, corpus, data_config):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from cramming.data.pipeline import ORDERINGS
+from cramming.data.pipeline import ORDERINGS, ROW_STARTS
 from cramming.data.sources import SOURCE_KINDS, TXT_UNITS
 from cramming.data.tokenizer import TOKENIZER_KINDS
 from cramming.errors import check_choice, config_error
@@ -149,6 +149,9 @@ class DataConfig:
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     # tokens per training row; documents are joined with [SEP] and cut, no padding
     seq_length: int = 128
+    # how each row begins (a key of pipeline.ROW_STARTS): none (anywhere in the [SEP]-joined stream, cramming)
+    # or cls ([CLS], then seq_length - 1 tokens of the stream, as every fine-tuning input begins with [CLS])
+    row_start: str = "none"
     # order of the packed rows (a key of pipeline.ORDERINGS): none (as read), random, or curriculum
     # (easy to hard: rows of frequent tokens first)
     ordering: str = "random"
@@ -169,6 +172,7 @@ class DataConfig:
         for name, source in self.sources.items():
             source.check(f"data.sources.{name}")
         check_choice("data.ordering", self.ordering, ORDERINGS)
+        check_choice("data.row_start", self.row_start, ROW_STARTS)
         if self.seq_length < 8:
             raise config_error(
                 "data.seq_length", self.seq_length, "use at least 8 tokens (cramming uses 128)"

@@ -100,6 +100,8 @@ def cache_key(cfg: DataConfig) -> str:
     """Hash of everything that decides the processed data: the config (without its label) and the sources."""
     resolved = asdict(cfg)
     resolved.pop("name")
+    if resolved.get("row_start") == "none":  # added later: the caches made before it keep their names
+        resolved.pop("row_start")
     payload = {
         "pipeline_version": PIPELINE_VERSION,
         "config": resolved,
@@ -351,11 +353,18 @@ def join_with_separator(values: np.ndarray, offsets: np.ndarray, sep: int) -> np
 
 
 def _pack(
-    tokenized: datasets.Dataset, seq_length: int, sep: int, id_type: str, out_file: Path
+    tokenized: datasets.Dataset,
+    seq_length: int,
+    sep: int,
+    id_type: str,
+    out_file: Path,
+    first_token: int | None = None,
 ) -> datasets.Dataset:
     """Join documents with [SEP] and cut the stream into rows of exactly seq_length; the last partial row is
-    dropped. Rows are streamed to an Arrow file, so memory stays at one batch of documents."""
+    dropped. With `first_token` (data.row_start=cls: the [CLS] id), each row is that token followed by seq_length - 1
+    tokens of the stream. Rows are streamed to an Arrow file, so memory stays at one batch of documents."""
     np_type = np.dtype(id_type)
+    body = seq_length - (first_token is not None)  # stream tokens per row
     schema = pa.schema([("input_ids", pa.list_(pa.from_numpy_dtype(np_type), seq_length))])
     carry = np.empty(0, dtype=np_type)
     rows, last_log, start = 0, time.perf_counter(), time.perf_counter()
@@ -365,13 +374,16 @@ def _pack(
             offsets = docs.offsets.to_numpy()
             values = docs.flatten().to_numpy(zero_copy_only=False).astype(np_type, copy=False)
             stream = np.concatenate([carry, join_with_separator(values, offsets - offsets[0], sep)])
-            n_rows = len(stream) // seq_length
+            n_rows = len(stream) // body
             if n_rows:
-                flat = pa.array(stream[: n_rows * seq_length])
+                cut = stream[: n_rows * body].reshape(n_rows, body)
+                if first_token is not None:
+                    cut = np.concatenate([np.full((n_rows, 1), first_token, dtype=np_type), cut], axis=1)
+                flat = pa.array(cut.reshape(-1))
                 writer.write_batch(
                     pa.record_batch([pa.FixedSizeListArray.from_arrays(flat, seq_length)], schema=schema)
                 )
-            carry = stream[n_rows * seq_length :]
+            carry = stream[n_rows * body :]
             rows += n_rows
             if time.perf_counter() - last_log > 10:
                 last_log = time.perf_counter()
@@ -407,6 +419,8 @@ def _curriculum(rows: datasets.Dataset, seed: int, vocab_size: int) -> datasets.
 
 
 # data.ordering -> (rows, seed, vocab size) -> the rows reordered
+# data.row_start: what each packed row begins with (the [CLS] id is SpecialTokens.cls)
+ROW_STARTS = ("none", "cls")
 ORDERINGS: dict[str, Callable[[datasets.Dataset, int, int], datasets.Dataset]] = {
     "none": _keep_order,
     "random": _shuffle,
@@ -542,7 +556,9 @@ def _tokenize_and_pack(
         stats.update(median_tokens_per_char=round(median, 4), trash_cutoff_tokens_per_char=round(cutoff, 4))
     tokenized = _drop_trash(tokenized, cutoff)
     with steps.step(f"pack {split}"):
-        rows = _pack(tokenized, cfg.seq_length, SpecialTokens().sep, id_type, scratch / f"rows-{split}.arrow")
+        special = SpecialTokens()
+        first = special.cls if cfg.row_start == "cls" else None
+        rows = _pack(tokenized, cfg.seq_length, special.sep, id_type, scratch / f"rows-{split}.arrow", first)
     stats[f"{split}_documents"] = len(tokenized)
     stats[f"{split}_dropped_by_token_ratio"] = len(docs) - len(tokenized)
     stats[f"{split}_tokens"] = _token_count(tokenized) + len(

@@ -49,7 +49,8 @@ class TaskOverride:
 class HeadConfig:
     """`eval.head`: the classifier on the encoder. Default: cramming's GLUE head."""
 
-    # how the hidden states become one vector: zero_index (the [CLS] token) | mean (of the real tokens)
+    # how the hidden states become one vector: zero_index (the [CLS] token) | mean (of the real tokens) |
+    # pair (each segment mean-pooled, then [u, v, |u - v|, u * v]: the two halves of a pair compared)
     pooler: str = "zero_index"
     # width of the dense layer between pooling and classifier (cramming: 1024); 0: the bare linear head
     dim: int = 1024
