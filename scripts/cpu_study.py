@@ -75,6 +75,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("runs", nargs="+", help="label=evaluation folder")
     parser.add_argument("--out", type=Path, default=None, help="folder for glue_vs_minutes.png")
+    parser.add_argument(
+        "--glue-dir", help="with a local GLUE copy: the pair probe of each run's checkpoint (STS-B dev pairs)"
+    )
     args = parser.parse_args(argv)
     runs = {}
     for spec in args.runs:
@@ -157,39 +160,62 @@ def main(argv: list[str] | None = None) -> None:
         print("|---|---|---|---|---|")
         print("\n".join(margins))
 
+    if args.glue_dir is not None:
+        print_pair_probes(runs, args.glue_dir)
     if args.out is not None:
         plot(runs, args.out)
+
+
+def print_pair_probes(runs: dict, glue_dir: str) -> None:
+    """The training-free pair probe (cramming/eval/pair_probe.py) of each run's checkpoint, once per checkpoint."""
+    from cramming.eval.glue_data import load_task
+    from cramming.eval.pair_probe import pair_probe
+    from cramming.eval.run import checkpoint_backbone
+    from cramming.eval.tasks import GLUE_TASKS
+    from cramming.impl import ImplConfig
+
+    dev = load_task(GLUE_TASKS["STS-B"], glue_dir)["dev"]
+    probes: dict[str, dict] = {}
+    print("\n| model | pair probe: alone | pair probe: joint |")
+    print("|---|---|---|")
+    for label, (results, _) in runs.items():
+        checkpoint = results.get("checkpoint", "")
+        if checkpoint not in probes:
+            backbone = checkpoint_backbone(checkpoint, ImplConfig(device="cpu"))
+            probes[checkpoint] = pair_probe(backbone, dev["text_a"], dev["text_b"], np.asarray(dev["label"]))
+        found = probes[checkpoint]
+        print(f"| {label} | {found['alone']:.1f} | {found['joint']:.1f} |")
 
 
 def plot(runs: dict, out: Path) -> None:
     from matplotlib.figure import Figure
 
-    by_arch: dict[str, list[tuple[float, float]]] = {}
+    by_arch: dict[str, list[tuple[float, float, float]]] = {}
     for label, (results, scores) in runs.items():
         avg = average(scores)
         if avg is None:
             continue
-        minutes = 60 * (results.get("pretraining") or {}).get("elapsed_h", 0.0)
-        by_arch.setdefault(label.split("-")[0], []).append((minutes, avg))
+        pre = results.get("pretraining") or {}
+        minutes, updates = 60 * pre.get("elapsed_h", 0.0), pre.get("updates", 0)
+        by_arch.setdefault(label.split("-")[0], []).append((minutes, updates, avg))
     if not by_arch:
         return
-    fig = Figure(figsize=(5, 3.5))
-    ax = fig.add_subplot()
-    for arch, points in sorted(by_arch.items()):
-        points.sort()
-        ax.plot([m for m, _ in points], [a for _, a in points], marker="o", label=f"{arch} (ours, dev)")
-    for color, (name, figures) in zip(("C3", "C4"), TURC.items(), strict=True):
-        ax.axhline(
-            np.mean([figures[t] for t in TASKS]),
-            color=color,
-            linestyle="--",
-            linewidth=1,
-            label=f"{name} (test)",
-        )
-    ax.set_xlabel("pretraining minutes (1 CPU thread)")
-    ax.set_ylabel("GLUE average of 5 tasks")
-    ax.set_title(", ".join(TASKS), fontsize=8)
-    ax.legend(fontsize=7)
+    fig = Figure(figsize=(9, 3.5))
+    axes = fig.subplots(1, 2, sharey=True)
+    for column, (ax, xlabel) in enumerate(
+        zip(axes, ("pretraining minutes (1 CPU thread)", "pretraining updates (batch 64)"), strict=True)
+    ):
+        for arch, points in sorted(by_arch.items()):
+            points.sort(key=lambda point: point[column])
+            xs, ys = [point[column] for point in points], [point[2] for point in points]
+            ax.plot(xs, ys, marker="o", label=f"{arch} (ours, dev)")
+        for color, (name, figures) in zip(("C6", "C7"), TURC.items(), strict=True):
+            mean = np.mean([figures[t] for t in TASKS])
+            ax.axhline(mean, color=color, linestyle="--", linewidth=1, label=f"{name} (test)")
+        ax.set_xlabel(xlabel)
+    axes[0].set_ylabel("GLUE average of 5 tasks")
+    fig.suptitle(", ".join(TASKS), fontsize=8)
+    axes[1].legend(fontsize=7)
     fig.tight_layout()
     out.mkdir(parents=True, exist_ok=True)
     fig.savefig(out / "glue_vs_minutes.png", dpi=120)
