@@ -2,7 +2,8 @@
 
     torchrun --standalone --nproc_per_node=2 tests/distributed_worker.py OUT_DIR SCENARIO...
 
-SCENARIO: ddp, optimizers, fsdp2, lowbit (AdamW with 32-, 8- and 4-bit moments under FSDP2); add `cuda` to run them on GPUs (nccl) instead of the CPU (gloo).
+SCENARIO: ddp, optimizers, fsdp2, lowbit (AdamW with 32-, 8- and 4-bit moments under FSDP2), galore (the
+galore_* optimizers under FSDP2); add `cuda` to run them on GPUs (nccl) instead of the CPU (gloo).
 
 Each scenario trains the tiny model of tests/test_train.py with loop.train() and records, per rank, what the
 tests check (progress, stop reason, parameter differences to rank 0 after every update, gradient all-reduces
@@ -34,6 +35,10 @@ LOWBIT_STEPS = 50
 # an FFN whose shards end inside quantization blocks: 2 ranks hold 101 x 64 of up (202, 64) and 32 x 101 of
 # down (64, 101), 6464 and 3232 elements, multiples of neither 256 (8-bit) nor 128 (4-bit)
 LOWBIT_ARCH = "arch.intermediate_size=202"
+# scenario galore: the GaLore optimizers under FSDP2 on the same FFN, rank 8, the projector refreshed every
+# 10 updates (5 refreshes in the 50): `std` projects up (404, 64) on the right, down (64, 202) on the left
+GALORE_OPTIMIZERS = ("galore_adamw", "galore_adamw_8bit", "galore_adamw_4bit", "galore_adafactor")
+GALORE_SETTINGS = ("train.optim.rank=8", "train.optim.update_proj_gap=10")
 RANK = int(os.environ["RANK"])
 
 
@@ -240,8 +245,8 @@ def main() -> None:
             overrides = (f"name={name}", f"train/optim={name}", "train.optim.rank=8", "train.steps=2", *cuda)
             results[name] = steps(base, data, *overrides)
         results["layerwise_error"] = refused(base, data, "train/optim=adamw_layerwise")
-        results["fsdp2_galore_error"] = refused(
-            base, data, "train/optim=galore_adamw_8bit", "impl.distributed=fsdp2"
+        results["fsdp2_layerwise_error"] = refused(
+            base, data, "train/optim=galore_adamw_8bit_layerwise", "impl.distributed=fsdp2"
         )
         results["fsdp2_fp16_error"] = refused(base, data, "impl.precision=fp16", "impl.distributed=fsdp2")
         results["batch_error"] = refused(
@@ -263,6 +268,16 @@ def main() -> None:
         results["fsdp2_4bit_budget"] = budget_then_resume(
             base, data, "fsdp2-4bit", "fsdp2", "train/optim=adamw_4bit", *cuda
         )
+    if "galore" in scenarios:
+        for name in GALORE_OPTIMIZERS:
+            overrides = (
+                f"name=fsdp2-{name}",
+                f"train/optim={name}",
+                f"train.steps={LOWBIT_STEPS}",
+                LOWBIT_ARCH,
+            )
+            overrides += (*GALORE_SETTINGS, *cuda)
+            results[f"fsdp2_{name}"] = steps(base, data, *overrides, "impl.distributed=fsdp2")
     (out / f"rank{RANK}.json").write_text(json.dumps(results, indent=1))
     distributed.shutdown()
 

@@ -3,7 +3,9 @@
 A subclass says only how its moments look (`_moment_specs`) and how a gradient becomes a normalized update
 (`_direction`); this class allocates the state, projects the 2-D weights of GaLore groups, applies the
 decoupled weight decay and the learning rate, and runs either as a normal optimizer or layerwise. Under
-FSDP2 each rank updates its own shard of every parameter, with moments of the shard's shape (_step_param).
+FSDP2 each rank updates its own shard of every parameter, with moments of the shard's shape (_step_param);
+a GaLore weight's projector comes from the whole gradient, gathered on refresh steps only
+(_step_galore_shard, and cramming.optim.galore for which side shards what).
 
 Param-group keys, besides lr and weight_decay:
     rank             0: plain update; > 0: GaLore projection of this group's (2-D) parameters
@@ -33,9 +35,12 @@ gradient is complete, and its gradient is freed at once, so full gradients are n
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from cramming.errors import ConfigError
 from cramming.optim import galore
@@ -53,6 +58,48 @@ def local_part(tensor: torch.Tensor) -> torch.Tensor:
     """The part of `tensor` this process holds and updates: a DTensor's local shard (a view: in-place
     updates of it update the parameter), anything else itself."""
     return tensor.to_local() if is_sharded(tensor) else tensor
+
+
+@dataclass(frozen=True)
+class RowShard:
+    """A rank's tensor is rows [start, start + rows) of a whole one of `whole_rows` rows (FSDP2's Shard(0)),
+    and `group` holds the ranks with the other rows."""
+
+    group: dist.ProcessGroup
+    whole_rows: int
+    start: int
+    rows: int
+
+    def sum_(self, tensor: torch.Tensor) -> torch.Tensor:
+        """`tensor` summed over the ranks, in place (collective)."""
+        dist.all_reduce(tensor, group=self.group)
+        return tensor
+
+    def broadcast_(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The group's first rank's `tensor`, in place on every rank (collective)."""
+        dist.broadcast(tensor, src=dist.get_global_rank(self.group, 0), group=self.group)
+        return tensor
+
+
+def row_shard(param: torch.Tensor) -> RowShard | None:
+    """Which rows of `param` this rank holds: None for a plain tensor; FSDP2's DTensor is sharded on dim 0
+    over a 1-D mesh in torch.chunk's pieces (ceil(m / ranks) rows each, the last ones fewer or none)."""
+    if not is_sharded(param):
+        return None
+    from torch.distributed.tensor import Shard
+
+    mesh = param.device_mesh
+    if mesh.ndim != 1 or tuple(param.placements) != (Shard(0),):
+        raise ConfigError(
+            f"our optimizers update FSDP2 shards of dim 0 on one mesh dimension, and got placements "
+            f"{tuple(param.placements)} on a {mesh.ndim}-D mesh: use fully_shard on a 1-D mesh (no HSDP)"
+        )
+    whole_rows, chunk = param.shape[0], -(-param.shape[0] // mesh.size())
+    start = min(mesh.get_local_rank() * chunk, whole_rows)
+    rows = param.to_local().shape[0]
+    if rows != min(chunk, whole_rows - start):
+        raise ConfigError(f"an FSDP2 shard of {rows} rows at row {start} is not torch.chunk's: unsupported")
+    return RowShard(mesh.get_group(), whole_rows, start, rows)
 
 
 class LeanOptimizer(torch.optim.Optimizer):
@@ -107,15 +154,24 @@ class LeanOptimizer(torch.optim.Optimizer):
         (whole_numel as for _moment_specs)."""
         return {}
 
-    def _direction(self, grad: torch.Tensor, state: dict, group: dict, step: int) -> torch.Tensor:
-        """Update the moments with the fp32 `grad` and return the normalized update (p -= lr · direction)."""
+    def _direction(
+        self, grad: torch.Tensor, state: dict, group: dict, step: int, rows: RowShard | None = None
+    ) -> torch.Tensor:
+        """Update the moments with the fp32 `grad` and return the normalized update (p -= lr · direction).
+        rows: set when `grad` is one rank's rows of a whole tensor, for updates that reduce over rows."""
         raise NotImplementedError
 
     def _update_full(
-        self, param: torch.Tensor, grad: torch.Tensor, state: dict, group: dict, step: int
+        self,
+        param: torch.Tensor,
+        grad: torch.Tensor,
+        state: dict,
+        group: dict,
+        step: int,
+        rows: RowShard | None = None,
     ) -> None:
         """The plain (unprojected) update of `param`; a subclass may fuse it."""
-        direction = self._direction(grad.float(), state, group, step)
+        direction = self._direction(grad.float(), state, group, step, rows)
         work = param if param.dtype == torch.float32 else param.float()
         work.mul_(1.0 - group["lr"] * group["weight_decay"]).add_(direction, alpha=-group["lr"])
         if work is not param:
@@ -125,61 +181,103 @@ class LeanOptimizer(torch.optim.Optimizer):
 
     @staticmethod
     def moment_shape(param: torch.Tensor, group: dict) -> tuple[int, ...]:
-        """The shape of this parameter's moments: its own, or its low-rank shape in a GaLore group."""
+        """The shape of this parameter's moments as this rank holds them: its own (its shard's under FSDP2),
+        or its low-rank shape in a GaLore group (see cramming.optim.galore for FSDP2's)."""
+        shard = row_shard(param)
         if group["rank"] > 0:
-            return galore.low_rank_shape(tuple(param.shape), group["rank"], group["proj_type"])
-        return tuple(param.shape)
+            rows = None if shard is None else shard.rows
+            return galore.low_rank_shape(tuple(param.shape), group["rank"], group["proj_type"], rows)
+        return tuple(local_part(param).shape)
+
+    @staticmethod
+    def _whole_moment_numel(param: torch.Tensor, group: dict) -> int:
+        """Elements of the moments one process would hold: any choice made by size (AdamW's min_8bit_size)
+        is made on this, so it is the same on every rank and as in one process."""
+        if group["rank"] > 0:
+            return math.prod(galore.low_rank_shape(tuple(param.shape), group["rank"], group["proj_type"]))
+        return param.numel()
 
     def state_spec(self, param: torch.Tensor, group: dict) -> StateSpec:
         """Every state tensor this parameter will have, predicted without a step (for the memory report).
-        A sharded parameter's state is that of its local shard (see _step_param)."""
-        if is_sharded(param):
-            self._refuse_sharded_galore(group)
-            return self._moment_specs(tuple(local_part(param).shape), group, whole_numel=param.numel())
+        A sharded parameter's state is what its rank holds (see _step_param)."""
+        shard = row_shard(param)
+        whole_numel = None if shard is None else self._whole_moment_numel(param, group)
+        spec = self._moment_specs(self.moment_shape(param, group), group, whole_numel)
         if group["rank"] > 0:
-            shape2d = tuple(param.shape)
-            spec = self._moment_specs(
-                galore.low_rank_shape(shape2d, group["rank"], group["proj_type"]), group
-            )
-            for key, shape in galore.projector_shapes(shape2d, group["rank"], group["proj_type"]).items():
-                spec[key] = (shape, torch.float32)
-            return spec
-        return self._moment_specs(tuple(param.shape), group)
-
-    @staticmethod
-    def _refuse_sharded_galore(group: dict) -> None:
-        if group["rank"] > 0:
-            raise ConfigError(
-                "GaLore projects whole matrices, and FSDP2 gave this optimizer shards of them: use "
-                "impl.distributed=ddp with galore_* optimizers"
-            )
+            rows = None if shard is None else shard.rows
+            shapes = galore.projector_shapes(tuple(param.shape), group["rank"], group["proj_type"], rows)
+            spec.update({key: (shape, torch.float32) for key, shape in shapes.items()})
+        return spec
 
     def _step_param(self, param: torch.Tensor, grad: torch.Tensor, group: dict) -> None:
         """One parameter's update. Under FSDP2 (a DTensor `param`) each rank updates its own shard with
         moments of the shard's shape, held as plain local tensors: the update is elementwise, and quantized
-        moments take their block scales over the shard (blocks end at the shard's boundary)."""
+        moments take their block scales over the shard (blocks end at the shard's boundary). GaLore weights:
+        _step_galore_shard."""
         state = self.state[param]
+        shard = row_shard(param)
         if not state:
             state["step"] = 0
             for key, (shape, dtype) in self.state_spec(param, group).items():
                 if not key.startswith("galore_"):  # projectors come from the first SVD
                     state[key] = torch.zeros(shape, dtype=dtype, device=param.device)
-            whole_numel = param.numel() if is_sharded(param) else None
+            whole_numel = None if shard is None else self._whole_moment_numel(param, group)
             state.update(self._state_tags(self.moment_shape(param, group), group, whole_numel))
         state["step"] += 1
         step = state["step"]
-        if is_sharded(param):
+        if shard is not None and group["rank"] > 0:
+            self._step_galore_shard(param, grad, state, group, shard)
+            return
+        if shard is not None:
             param, grad = local_part(param), local_part(grad)
-            if param.numel() == 0:  # a tensor of fewer rows than ranks: this rank holds none of it
+            # a tensor of fewer rows than ranks: this rank holds none of it (and joins no collective)
+            if param.numel() == 0 and not self.reduces_over_rows:
                 return
         if group["rank"] == 0:
-            self._update_full(param, grad, state, group, step)
+            self._update_full(param, grad, state, group, step, shard)
             return
         low = galore.project(grad, state, step, group["rank"], group["proj_type"], group["update_proj_gap"])
         direction = self._direction(low, state, group, step)
-        update = galore.project_back(direction, state, group["proj_type"], tuple(param.shape))  # (m, n) fp32
+        self._apply_low_rank(param, direction, state, group, tuple(param.shape))
+
+    def _step_galore_shard(
+        self, param: torch.Tensor, grad: torch.Tensor, state: dict, group: dict, shard: RowShard
+    ) -> None:
+        """A GaLore weight's update on this rank's rows (collective: every rank calls it in the same order).
+
+        On refresh steps the whole gradient is gathered (all-gather) and the first rank's SVD projectors are
+        broadcast, so every rank projects with the same bits; a rank keeps only its rows of a left projector.
+        The right side then needs no communication and its moments are this rank's rows; the left and full
+        sides sum the ranks' partial projections (all-reduce) and every rank holds the same moments."""
+        whole_shape, step = tuple(param.shape), state["step"]
+        if galore.needs_projectors(state, step, group["update_proj_gap"]):
+            whole_grad = grad.full_tensor()  # (m, n) on every rank
+            projectors = galore.svd_projectors(whole_grad, group["rank"], group["proj_type"])
+            for key, projector in projectors.items():
+                projector = shard.broadcast_(projector)
+                if key == "galore_left":  # (m, r): this rank's rows
+                    projector = projector[shard.start : shard.start + shard.rows].contiguous()
+                state[key] = projector
+        side = galore.projection_side(whole_shape, group["proj_type"])
+        low = galore.apply_projection(local_part(grad), state, side)
+        if side == "right":  # (rows, r): this rank's rows of the low-rank gradient
+            direction = self._direction(low, state, group, step, shard)
+        else:
+            direction = self._direction(shard.sum_(low), state, group, step)  # the whole, on every rank
+        self._apply_low_rank(local_part(param), direction, state, group, whole_shape)
+
+    @staticmethod
+    def _apply_low_rank(
+        param: torch.Tensor, direction: torch.Tensor, state: dict, group: dict, whole_shape: tuple[int, int]
+    ) -> None:
+        """Decay `param` (a whole weight or a rank's rows) and add the projected-back low-rank `direction`."""
+        update = galore.project_back(direction, state, group["proj_type"], whole_shape)  # (rows, n) fp32
         param.mul_(1.0 - group["lr"] * group["weight_decay"])
         param.add_(update.to(param.dtype), alpha=-group["lr"] * group["scale"])
+
+    # whether _direction reduces over a row-sharded tensor's ranks (Adafactor's factored statistics): then
+    # a rank that holds no rows of a tensor still joins its collectives
+    reduces_over_rows = False
 
     @torch.no_grad()
     def step(self, closure=None):

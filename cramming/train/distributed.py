@@ -228,11 +228,12 @@ def _reshape_lifted(model: nn.Module, model_state: dict, optimizer_state: dict |
 
 # impl.distributed -> wrapper; DDP returns a wrapper module, fully_shard shards the model in place
 PARALLEL: dict[str, Callable[[nn.Module, torch.device], nn.Module]] = {"ddp": _ddp, "fsdp2": _fsdp2}
-# FSDP2 hands optimizers DTensor shards (dim 0). These update each rank's shard by itself: AdamW is
-# elementwise, and the 8-/4-bit forms quantize each rank's shard of a moment on its own (LeanOptimizer
-# ._step_param). GaLore projects whole matrices, and the layerwise forms step inside backward, before FSDP2's
-# reduce-scatter: both need DDP (or a single process) for now.
-FSDP2_OPTIMIZERS = ("adamw", "adamw_8bit", "adamw_4bit")
+# FSDP2 hands optimizers DTensor shards (dim 0), and every optimizer updates them, each rank its own rows
+# (LeanOptimizer._step_param): AdamW is elementwise, the 8-/4-bit forms quantize each rank's shard of a moment
+# on its own, GaLore gathers a weight's whole gradient on projector refreshes only, and Adafactor sums its
+# factored statistics over the ranks. The layerwise forms step inside backward, before FSDP2's
+# reduce-scatter, and are refused.
+LAYERWISE_SUFFIX = "_layerwise"
 
 
 def prepare_model(model: nn.Module, ranks: Ranks, optim_name: str, dtype: torch.dtype) -> nn.Module:
@@ -240,11 +241,11 @@ def prepare_model(model: nn.Module, ranks: Ranks, optim_name: str, dtype: torch.
     sharded in place. Call before building the optimizer: FSDP2 replaces the parameters."""
     if not ranks.active:
         return model
-    if ranks.mode == "fsdp2" and optim_name not in FSDP2_OPTIMIZERS:
+    if ranks.mode == "fsdp2" and optim_name.endswith(LAYERWISE_SUFFIX):
         raise ConfigError(
-            f"impl.distributed=fsdp2 shards every tensor, which train.optim.name={optim_name} cannot update"
-            " (GaLore needs whole matrices; a layerwise update runs before the gradients are reduced); use"
-            f" impl.distributed=ddp, or train/optim={'/'.join(FSDP2_OPTIMIZERS)}"
+            f"impl.distributed=fsdp2 reduces each gradient after the backward hooks in which"
+            f" train.optim.name={optim_name} steps: use impl.distributed=ddp with it, or"
+            f" train/optim={optim_name.removesuffix(LAYERWISE_SUFFIX)} under fsdp2"
         )
     if ranks.mode == "fsdp2" and dtype == torch.float16:
         # each rank would check only its own gradient shard for overflow, and the ranks could disagree
