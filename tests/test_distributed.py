@@ -524,3 +524,46 @@ def test_each_rank_holds_at_most_55_percent_of_the_galore_state(launched_galore,
             assert state["sharded"] and state["whole_params"] == whole["params"]
             print(f"{optim} rank {rank}: {state['state_bytes'] / whole['state_bytes']:.3f} of one process's")
             assert state["state_bytes"] <= 0.55 * whole["state_bytes"], (optim, rank, state, whole)
+
+
+# ------------------------------------------------------------- layerwise optimizers under DDP (scenario layerwise)
+
+
+@pytest.fixture(scope="module")
+def launched_layerwise(tmp_path_factory) -> list[dict]:
+    """One launch of the worker's `layerwise` scenario: layerwise optimizers under DDP mode."""
+    return torchrun(tmp_path_factory.mktemp("torchrun-layerwise"), "layerwise")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("optim", ["adamw_layerwise", "galore_adamw_layerwise", "adamw_8bit_layerwise"])
+def test_layerwise_under_ddp_matches_one_process_with_accumulation(launched_layerwise, tmp_path, optim):
+    steps = launched_layerwise[0][f"ddp_{optim}"]["progress"]
+    # 50 updates of 2 global micro-batches (2 ranks x 8 rows): the hooks step on the second only
+    assert (steps["updates"], steps["microbatches"]) == (50, 100)
+    for record in launched_layerwise:  # the ranks agree exactly after every update
+        run = record[f"ddp_{optim}"]
+        assert run["reason"] == "steps" and run["differences"] == [0.0] * 50, run["differences"]
+    ours = final_weights(launched_layerwise[0][f"ddp_{optim}"]["checkpoint"])
+    overrides = GALORE_SETTINGS if optim.startswith("galore") else ()
+    single = one_process_run(tmp_path, optim, 50, *overrides)  # micro-batch 16, 2 per update, layerwise
+    initial = initial_weights(tmp_path)
+    # Within rounding: the ranks average each gradient with an all-reduce instead of one process's sum over
+    # 16 rows (plain adamw's tolerance). The 8-bit moments' blocks are whole tensors in both runs.
+    for key, value in single.items():
+        moved = (value - initial[key]).norm()
+        difference = (ours[key] - value).norm()
+        assert difference <= 1e-3 * moved + 1e-7, f"{optim} {key}: {difference:.3e} vs moved {moved:.3e}"
+
+
+@pytest.mark.slow
+def test_layerwise_under_ddp_never_holds_all_gradients(launched_layerwise, tmp_path):
+    cfg = make_config(tmp_path, LOWBIT_ARCH)
+    model = build_model(cfg.arch, single_vocab(tmp_path))
+    all_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    for record in launched_layerwise:
+        run = record["ddp_layerwise_held"]  # one micro-batch per update
+        assert run["progress"]["updates"] == 4 and run["differences"] == [0.0] * 4
+        most = run["most_gradient_bytes"]  # before each step, over every parameter
+        print(f"at most {most / all_bytes:.1%} of the model's gradient bytes held at once")
+        assert most < all_bytes, (most, all_bytes)

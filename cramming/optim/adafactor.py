@@ -36,6 +36,8 @@ class Adafactor(LeanOptimizer):
         clip_threshold: float = 1.0,
         layerwise: bool = False,
         max_grad_norm: float | None = None,
+        reduce_group: torch.distributed.ProcessGroup | None = None,
+        reduce_order: Iterable[torch.Tensor] = (),
     ) -> None:
         defaults = {
             "lr": lr,
@@ -43,7 +45,14 @@ class Adafactor(LeanOptimizer):
             "decay_rate": decay_rate,
             "clip_threshold": clip_threshold,
         }
-        super().__init__(params, defaults, layerwise=layerwise, max_grad_norm=max_grad_norm)
+        super().__init__(
+            params,
+            defaults,
+            layerwise=layerwise,
+            max_grad_norm=max_grad_norm,
+            reduce_group=reduce_group,
+            reduce_order=reduce_order,
+        )
 
     def _moment_specs(self, shape: tuple[int, ...], group: dict, whole_numel: int | None = None) -> StateSpec:
         if len(shape) == 2:

@@ -88,6 +88,8 @@ class AdamW(LeanOptimizer):
         kernel: str = "auto",
         layerwise: bool = False,
         max_grad_norm: float | None = None,
+        reduce_group: torch.distributed.ProcessGroup | None = None,
+        reduce_order: Iterable[torch.Tensor] = (),
     ) -> None:
         if optim_bits not in (4, 8, 32):
             raise ValueError(f"optim_bits must be 4, 8 or 32, got {optim_bits}")
@@ -113,7 +115,14 @@ class AdamW(LeanOptimizer):
             "optim_bits": optim_bits,
             "min_8bit_size": min_8bit_size,
         }
-        super().__init__(params, defaults, layerwise=layerwise, max_grad_norm=max_grad_norm)
+        super().__init__(
+            params,
+            defaults,
+            layerwise=layerwise,
+            max_grad_norm=max_grad_norm,
+            reduce_group=reduce_group,
+            reduce_order=reduce_order,
+        )
         self.kernel = kernel
         self.second_moment_map = second_moment_map
         self.first_moment_rounding = first_moment_rounding

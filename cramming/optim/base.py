@@ -17,16 +17,22 @@ Layerwise mode — the contract with the training loop
 With `layerwise=True` each parameter is updated inside its post-accumulate-grad hook, as soon as its
 gradient is complete, and its gradient is freed at once, so full gradients are never all held together.
 `optimizer.layerwise` is True; the loop must:
-  * keep gradient accumulation at 1: a second backward before `optimizer.step()` raises ConfigError from
-    inside `loss.backward()` (the hooks would otherwise update once per micro-batch), and call
-    `check_layerwise_loop` at start-up to fail before the first step. No DDP (refused at construction:
-    the update would run before the all-reduce), no fp16 GradScaler (the hooks see scaled gradients).
+  * with gradient accumulation, set `optimizer.accumulating = True` around every micro-batch's backward but
+    an update's last (TrainStep.microbatch does): the hooks then leave the gradients to add up, and step on
+    the last. A second stepping backward before `optimizer.step()` raises ConfigError from inside
+    `loss.backward()` (each micro-batch would be a step).
+  * with several processes, pass `reduce_group` (the loop's DDP mode; and not wrap the model in DDP): each
+    gradient is averaged over the ranks in its hook, then stepped (cramming.optim.layerwise). Without it a
+    layerwise optimizer refuses to be built when a process group of several ranks exists: someone else's
+    DDP would reduce the gradients after the hooks had stepped on them. No fp16 GradScaler (the hooks see
+    scaled gradients): call `check_layerwise_loop` at start-up.
   * not clip the model's gradients itself: they are gone by then, and `clip_grad_norm_` would silently
     return 0. Pass the clipping threshold as `max_grad_norm` instead: each parameter's gradient is clipped
     to that norm (per-parameter clipping, not the global-norm clipping of the normal path).
     `optimizer.grad_norm` holds the global norm of the last step's gradients (before clipping) for logging.
-  * call `optimizer.step()` once per backward, as usual: it updates nothing, it closes the step (resets
-    the per-step checks and computes `grad_norm`). `zero_grad` is harmless.
+  * call `optimizer.step()` once per update, as usual: it updates nothing itself, it closes the step (steps
+    the parameters whose reductions are still in flight, resets the per-step checks and computes
+    `grad_norm`). `zero_grad` closes it too (an update skipped after backward).
   * step its LR scheduler once per `optimizer.step()`, as usual: the hooks read each group's lr when they
     run, so the lr set after step k is the one used by the hooks of step k + 1 — the same count and
     timing as the normal path.
@@ -44,6 +50,7 @@ import torch.distributed as dist
 
 from cramming.errors import ConfigError
 from cramming.optim import galore
+from cramming.optim.layerwise import GradientReducer
 
 StateSpec = dict[str, tuple[tuple[int, ...], torch.dtype]]
 
@@ -69,6 +76,23 @@ class RowShard:
     whole_rows: int
     start: int
     rows: int
+
+    def piece_numel(self, numel: int) -> int:
+        """Elements of each rank's equal piece of a flattened tensor of `numel` (the last one zero-padded)."""
+        return -(-numel // dist.get_world_size(self.group))
+
+    def piece(self, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's piece of `tensor` (the same on every rank), flattened: a copy of piece_numel elements."""
+        size = self.piece_numel(tensor.numel())
+        start = dist.get_rank(self.group) * size
+        flat = tensor.reshape(-1)[start : start + size]
+        return torch.cat([flat, flat.new_zeros(size - flat.numel())])
+
+    def whole(self, piece: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+        """The tensor of `shape` whose pieces the ranks hold (all-gather: collective)."""
+        out = piece.new_empty(piece.numel() * dist.get_world_size(self.group))
+        dist.all_gather_single(out, piece, group=self.group)
+        return out[: math.prod(shape)].view(shape)
 
     def sum_(self, tensor: torch.Tensor) -> torch.Tensor:
         """`tensor` summed over the ranks, in place (collective)."""
@@ -112,7 +136,12 @@ class LeanOptimizer(torch.optim.Optimizer):
         *,
         layerwise: bool = False,
         max_grad_norm: float | None = None,
+        reduce_group: dist.ProcessGroup | None = None,
+        reduce_order: Iterable[torch.Tensor] = (),
     ) -> None:
+        """reduce_group: a layerwise optimizer's group of ranks to average each gradient over (module
+        docstring); reduce_order: its parameters in the order the model registers them (backward produces
+        the gradients in about the reverse order; the optimizer's own order, by group, may be far from it)."""
         if max_grad_norm is not None and not layerwise:
             raise ValueError(
                 "max_grad_norm is for layerwise mode; otherwise clip with clip_grad_norm_ as usual"
@@ -123,10 +152,25 @@ class LeanOptimizer(torch.optim.Optimizer):
         self._hooks: list = []
         self._stepped: set[int] = set()
         self._sq_norm: torch.Tensor | None = None
-        if layerwise:
+        self._group_of: dict[int, int] = {}  # id(param) -> index of its group
+        self.accumulating = False  # layerwise: the next backward only accumulates (see the module docstring)
+        if layerwise and reduce_group is None:
             self._refuse_distributed()
         defaults = {"rank": 0, "update_proj_gap": 200, "scale": 1.0, "proj_type": "std", **defaults}
         super().__init__(params, defaults)  # calls add_param_group, which hooks layerwise parameters
+        self._reducer = None
+        if layerwise and reduce_group is not None and dist.get_world_size(reduce_group) > 1:
+            params = [p for group in self.param_groups for p in group["params"]]
+            mine = {id(p) for p in params}
+            ordered = list({id(p): p for p in reduce_order if id(p) in mine}.values())  # once each
+            placed = {id(p) for p in ordered}
+            ordered += [p for p in params if id(p) not in placed]
+            if any(is_sharded(p) for p in params):
+                raise ConfigError(
+                    "a layerwise optimizer got FSDP2 shards: FSDP2 reduces the gradients after the hooks in "
+                    "which it steps. Use impl.distributed=ddp, or the optimizer name without `_layerwise`"
+                )
+            self._reducer = GradientReducer(ordered, self._step_layer, reduce_group)
 
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(param_group)
@@ -135,6 +179,7 @@ class LeanOptimizer(torch.optim.Optimizer):
             raise ValueError("GaLore groups (rank > 0) may hold 2-D parameters only")
         if self.layerwise:
             group_index = len(self.param_groups) - 1
+            self._group_of.update({id(p): group_index for p in group["params"]})
             self._hooks += [
                 p.register_post_accumulate_grad_hook(functools.partial(self._layerwise_hook, group_index))
                 for p in group["params"]
@@ -206,6 +251,8 @@ class LeanOptimizer(torch.optim.Optimizer):
         if group["rank"] > 0:
             rows = None if shard is None else shard.rows
             shapes = galore.projector_shapes(tuple(param.shape), group["rank"], group["proj_type"], rows)
+            if shard is not None and "galore_right" in shapes:  # a piece of it: see _step_galore_shard
+                shapes["galore_right"] = (shard.piece_numel(math.prod(shapes["galore_right"])),)
             spec.update({key: (shape, torch.float32) for key, shape in shapes.items()})
         return spec
 
@@ -246,32 +293,45 @@ class LeanOptimizer(torch.optim.Optimizer):
         """A GaLore weight's update on this rank's rows (collective: every rank calls it in the same order).
 
         On refresh steps the whole gradient is gathered (all-gather) and the first rank's SVD projectors are
-        broadcast, so every rank projects with the same bits; a rank keeps only its rows of a left projector.
-        The right side then needs no communication and its moments are this rank's rows; the left and full
-        sides sum the ranks' partial projections (all-reduce) and every rank holds the same moments."""
+        broadcast, so every rank projects with the same bits. A rank keeps its rows of a left projector, and
+        a 1/ranks piece of a right projector, which every step gathers (all-gather of r×n: the weight's
+        all-gather that FSDP2 does anyway is m/r times larger). The right side then needs no other
+        communication and its moments are this rank's rows; the left and full sides sum the ranks' partial
+        projections (all-reduce of the low-rank gradient) and every rank holds the same moments."""
         whole_shape, step = tuple(param.shape), state["step"]
+        projectors = {}
         if galore.needs_projectors(state, step, group["update_proj_gap"]):
             whole_grad = grad.full_tensor()  # (m, n) on every rank
             projectors = galore.svd_projectors(whole_grad, group["rank"], group["proj_type"])
-            for key, projector in projectors.items():
-                projector = shard.broadcast_(projector)
-                if key == "galore_left":  # (m, r): this rank's rows
-                    projector = projector[shard.start : shard.start + shard.rows].contiguous()
-                state[key] = projector
+            projectors = {key: shard.broadcast_(value) for key, value in projectors.items()}
+            if "galore_left" in projectors:  # (m, r): this rank's rows
+                left = projectors["galore_left"][shard.start : shard.start + shard.rows].contiguous()
+                state["galore_left"] = projectors["galore_left"] = left
+            if "galore_right" in projectors:  # (r, n): a piece
+                state["galore_right"] = shard.piece(projectors["galore_right"])
+        elif "galore_right" in state:
+            shape = galore.projector_shapes(whole_shape, group["rank"], group["proj_type"])["galore_right"]
+            projectors["galore_right"] = shard.whole(state["galore_right"], shape)
+        if "galore_left" in state:
+            projectors["galore_left"] = state["galore_left"]
         side = galore.projection_side(whole_shape, group["proj_type"])
-        low = galore.apply_projection(local_part(grad), state, side)
+        low = galore.apply_projection(local_part(grad), projectors, side)
         if side == "right":  # (rows, r): this rank's rows of the low-rank gradient
             direction = self._direction(low, state, group, step, shard)
         else:
             direction = self._direction(shard.sum_(low), state, group, step)  # the whole, on every rank
-        self._apply_low_rank(local_part(param), direction, state, group, whole_shape)
+        self._apply_low_rank(local_part(param), direction, projectors, group, whole_shape)
 
     @staticmethod
     def _apply_low_rank(
-        param: torch.Tensor, direction: torch.Tensor, state: dict, group: dict, whole_shape: tuple[int, int]
+        param: torch.Tensor,
+        direction: torch.Tensor,
+        projectors: dict,
+        group: dict,
+        whole_shape: tuple[int, int],
     ) -> None:
         """Decay `param` (a whole weight or a rank's rows) and add the projected-back low-rank `direction`."""
-        update = galore.project_back(direction, state, group["proj_type"], whole_shape)  # (rows, n) fp32
+        update = galore.project_back(direction, projectors, group["proj_type"], whole_shape)  # (rows, n)
         param.mul_(1.0 - group["lr"] * group["weight_decay"])
         param.add_(update.to(param.dtype), alpha=-group["lr"] * group["scale"])
 
@@ -301,27 +361,38 @@ class LeanOptimizer(torch.optim.Optimizer):
         dist = torch.distributed
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             raise ConfigError(
-                "layerwise optimizers update inside gradient hooks, before DDP's all-reduce: use the "
-                "non-layerwise optimizer name (without `_layerwise`) for multi-process training"
+                "layerwise optimizers update inside gradient hooks, before a DDP wrapper's all-reduce: with "
+                "several processes pass reduce_group (cramming's loop does, under impl.distributed=ddp), or "
+                "use the optimizer name without `_layerwise`"
             )
 
     @torch.no_grad()
     def _layerwise_hook(self, group_index: int, param: torch.Tensor) -> None:
+        if self.accumulating:  # a micro-batch before the update's last: its gradient adds up in param.grad
+            return
         if id(param) in self._stepped:
             raise ConfigError(
-                "a layerwise optimizer got a second backward before optimizer.step(): gradient accumulation "
-                "is not supported with `*_layerwise` optimizers (each micro-batch would be a step). Use "
-                "accumulation 1 or the optimizer name without `_layerwise`"
+                "a layerwise optimizer got a second stepping backward before optimizer.step(): with gradient "
+                "accumulation set `optimizer.accumulating = True` for every micro-batch but the last "
+                "(TrainStep.microbatch), or use the optimizer name without `_layerwise`"
             )
+        self._stepped.add(id(param))
+        if self._reducer is None:
+            self._step_layer(param)
+        else:
+            self._reducer.ready(param)  # steps it once its gradient is averaged over the ranks
+
+    @torch.no_grad()
+    def _step_layer(self, param: torch.Tensor) -> None:
+        """Clip `param`'s (complete, reduced) gradient, step it, free it."""
         grad = param.grad
         norm = torch.linalg.vector_norm(grad.float())
         self._sq_norm = norm.square() if self._sq_norm is None else self._sq_norm + norm.square()
         if self.max_grad_norm is not None:
             # torch.nn.utils.clip_grad_norm_'s rule, applied to this parameter alone
             grad.mul_((self.max_grad_norm / (norm + 1e-6)).clamp(max=1.0).to(grad.dtype))
-        self._step_param(param, grad, self.param_groups[group_index])
+        self._step_param(param, grad, self.param_groups[self._group_of[id(param)]])
         param.grad = None
-        self._stepped.add(id(param))
 
     def remove_hooks(self) -> None:
         """Detach a layerwise optimizer from its parameters (before building another one on them)."""
@@ -330,9 +401,20 @@ class LeanOptimizer(torch.optim.Optimizer):
         self._hooks = []
 
     def _close_layerwise_step(self) -> None:
+        """Step what is still being reduced; then the step's gradient norm, and the checks start afresh."""
+        if not self._stepped:  # nothing stepped since the last close (e.g. zero_grad after step)
+            return
+        if self._reducer is not None:
+            with torch.no_grad():
+                self._reducer.finish()
         self.grad_norm = None if self._sq_norm is None else self._sq_norm.sqrt()
         self._sq_norm = None
         self._stepped.clear()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if self.layerwise:  # an update skipped after its backward: its steps are done, close them
+            self._close_layerwise_step()
+        super().zero_grad(set_to_none)
 
     # --- state dict -------------------------------------------------------------------------------------
 
@@ -350,20 +432,9 @@ class LeanOptimizer(torch.optim.Optimizer):
                 }
 
 
-def check_layerwise_loop(
-    optimizer: torch.optim.Optimizer, *, grad_accumulation: int, distributed: bool, grad_scaler: bool
-) -> None:
+def check_layerwise_loop(optimizer: torch.optim.Optimizer, *, grad_scaler: bool) -> None:
     """Start-up check the loop calls once: raises ConfigError when a layerwise optimizer cannot do its job."""
-    if not getattr(optimizer, "layerwise", False):
-        return
-    if grad_accumulation != 1:
-        raise ConfigError(
-            f"`*_layerwise` optimizers need gradient accumulation 1 (got {grad_accumulation}): each backward "
-            "is a step. Use a micro-batch equal to the batch, or the name without `_layerwise`"
-        )
-    if distributed:
-        raise ConfigError("`*_layerwise` optimizers cannot run under DDP: use the name without `_layerwise`")
-    if grad_scaler:
+    if getattr(optimizer, "layerwise", False) and grad_scaler:
         raise ConfigError(
             "`*_layerwise` optimizers see the gradients before a GradScaler could unscale them: use bf16 or "
             "fp32 (impl.precision), not fp16, or the name without `_layerwise`"

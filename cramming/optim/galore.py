@@ -16,11 +16,15 @@ saves and loads with `torch.load(weights_only=True)`.
 
 Under FSDP2 a rank holds rows [start, start + rows) of W, and of G (see LeanOptimizer._step_galore_shard).
 The projector comes from the whole gradient, gathered on refresh steps only; then, per side:
-    right  G_rows Pᵀ is this rank's rows of G Pᵀ: no communication, the moments shard by rows with W
+    right  G_rows Pᵀ is this rank's rows of G Pᵀ: the moments shard by rows with W. Every rank needs all of
+           P (r×n): each keeps a 1/ranks piece and gathers it every step (r×n, r/m of the weight's own
+           all-gather), so that the projectors too are sharded
     left   Pᵀ G = Σ_ranks P_rowsᵀ G_rows: one all-reduce of (r×n); the moments are replicated, and
            each rank keeps only its rows of P, which is all that P N needs for its rows
     full   as left, (r×r)
-`rows` below is that row count: the shapes of what one rank holds.
+`std` projects on the right when m >= n; proj_type=right projects every weight there, which under FSDP2
+shards all of GaLore's state (results/optim_memory.md). `rows` below is a rank's row count: the shapes
+of what one rank holds.
 
 Adam is not rotation-invariant: even at full rank (r = min(m, n), where projecting and projecting back is
 the identity on G) GaLore-AdamW equals AdamW only when the singular vectors are signed unit vectors.
