@@ -333,7 +333,8 @@ def _by_name(state: dict, names: list[str]) -> dict:
 def _holds_shard_state(optimizer: torch.optim.Optimizer, ranks: Ranks) -> bool:
     """Whether each rank's optimizer state is its own plain tensors (our optimizers under FSDP2), which
     torch.distributed.checkpoint's full state dict cannot gather: it gathers DTensors, and per-shard
-    quantization blocks and packed codes do not concatenate into the whole tensor's."""
+    quantization blocks, packed codes and GaLore's low-rank moments and projector pieces do not concatenate
+    into the whole tensor's."""
     return ranks.active and ranks.mode == "fsdp2" and isinstance(optimizer, LeanOptimizer)
 
 
@@ -360,8 +361,8 @@ def _check_shard_states(optimizer_state: dict, shard_state: bool, ranks: Ranks) 
         raise ConfigError(
             f"the saved optimizer state is {len(saved)} FSDP2 ranks' shards, and this job is"
             f" {ranks.world_size} process(es) with impl.distributed={ranks.mode}: resume with the same number"
-            " of processes and impl.distributed=fsdp2 (changing the world size of an 8-/4-bit state is not"
-            " supported yet)"
+            " of processes and impl.distributed=fsdp2 (changing the world size of an 8-/4-bit or GaLore state is"
+            " not supported yet)"
         )
     if saved is None and shard_state and optimizer_state.get("state"):
         raise ConfigError(
