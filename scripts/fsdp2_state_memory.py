@@ -1,6 +1,7 @@
 """Optimizer state per rank under DDP and FSDP2, measured from the state tensors after one step (2 CPU ranks).
 
     torchrun --standalone --nproc_per_node=2 scripts/fsdp2_state_memory.py [--arch bert-base] [--vocab 32768]
+        [--optimizers adamw adamw_8bit ...] [--modes ddp fsdp2]
 
 Builds the model of `arch` on every rank, wraps it as `impl.distributed=ddp` or shards it as
 `impl.distributed=fsdp2` does (distributed.prepare_model), gives each parameter a
@@ -23,15 +24,26 @@ from cramming.model import build_model
 from cramming.optim import build_optimizer, optimizer_state_report
 from cramming.train import distributed
 
-OPTIMIZERS = ("adamw", "adamw_8bit", "adamw_4bit")
+# row label -> train/optim and overrides; GaLore at its default rank 128, with the config's `std` sides
+# (FFN down, 768 x 3072, is projected on the left: replicated moments) and with every weight on the right
+OPTIMIZERS = {
+    "adamw": ("adamw",),
+    "adamw_8bit": ("adamw_8bit",),
+    "adamw_4bit": ("adamw_4bit",),
+    "galore_adamw": ("galore_adamw",),
+    "galore_adamw, proj_type=right": ("galore_adamw", "train.optim.proj_type=right"),
+    "galore_adamw_8bit": ("galore_adamw_8bit",),
+    "galore_adamw_8bit, proj_type=right": ("galore_adamw_8bit", "train.optim.proj_type=right"),
+    "galore_adamw_4bit, proj_type=right": ("galore_adamw_4bit", "train.optim.proj_type=right"),
+    "galore_adafactor, proj_type=right": ("galore_adafactor", "train.optim.proj_type=right"),
+}
 
 
-def config(arch: str, optim: str):
+def config(arch: str, optim: str, *overrides: str):
     register_configs()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return validate(
-            compose("pretrain", overrides=[f"arch={arch}", f"train/optim={optim}", "impl.device=cpu"])
-        )
+        overrides = [f"arch={arch}", f"train/optim={optim}", "impl.device=cpu", *overrides]
+        return validate(compose("pretrain", overrides=overrides))
 
 
 def per_rank_bytes(cfg, vocab: int, ranks: distributed.Ranks) -> tuple[int, list[int], int]:
@@ -57,12 +69,14 @@ def main() -> None:
     )
     parser.add_argument("--arch", default="bert-base")
     parser.add_argument("--vocab", type=int, default=32768)
+    parser.add_argument("--optimizers", nargs="+", default=list(OPTIMIZERS), choices=list(OPTIMIZERS))
+    parser.add_argument("--modes", nargs="+", default=["ddp", "fsdp2"], choices=["ddp", "fsdp2"])
     args = parser.parse_args()
     rows = []
-    for mode in ("ddp", "fsdp2"):
+    for mode in args.modes:
         ranks = distributed.init_from_env(ImplConfig(device="cpu", distributed=mode))
-        for optim in OPTIMIZERS:
-            whole, each, params = per_rank_bytes(config(args.arch, optim), args.vocab, ranks)
+        for optim in args.optimizers:
+            whole, each, params = per_rank_bytes(config(args.arch, *OPTIMIZERS[optim]), args.vocab, ranks)
             share = params / ranks.world_size if mode == "fsdp2" else params  # parameters a rank updates
             mib = 2.0**20
             held = " / ".join(f"{b / mib:.1f} MiB ({100 * b / whole:.1f}%)" for b in each)

@@ -13,9 +13,13 @@
 #      compiled, against Hugging Face BertForMaskedLM of the closest shape: tokens/s, FLOP/s, MFU against a
 #      matmul peak measured in the same run, peak memory, data-path share (SDPA + torch LayerNorm), then
 #      ours alone with the Triton attention and LayerNorm, to choose the default backends;
-#   5. the micro-batch search of impl.microbatch_size=auto for crammed-bert (its trials, OOM included).
+#   5. the micro-batch search of impl.microbatch_size=auto for crammed-bert (its trials, OOM included);
+#   6. with 2 or more visible GPUs (and hydra installed), a 2-GPU FSDP2 pretraining run of the tiny model
+#      with train/optim=galore_adamw_8bit, 40 updates (torchrun --nproc_per_node=2); skipped with a line
+#      saying why otherwise. It comes last: raise BUDGET_S when the earlier stages leave it no time.
 # Writes results/kernels-<gpu>.md, results/kernels-<gpu>-tests.log, results/kernels-aot-<gpu>.md,
-# results/step-cuda-<gpu>*.md and results/autobatch-<gpu>.md, and copies them to $OUT when set.
+# results/step-cuda-<gpu>*.md, results/autobatch-<gpu>.md and results/fsdp2-galore-<gpu>.log (with the
+# run's metrics in results/fsdp2-galore-<gpu>-metrics.jsonl), and copies them to $OUT when set.
 # Needs python with torch (CUDA), triton, pytest, transformers and PyYAML; not hydra, datasets or evaluate.
 #
 #   bash scripts/gpu_check.sh                 # PYTHON=python3.12 bash scripts/gpu_check.sh to choose one
@@ -105,6 +109,29 @@ stage 80 $PY scripts/bench_pretrain.py --arch crammed-bert --microbatch 128 --co
 echo "== micro-batch search ($(date -u +%T))"
 AUTOBATCH_MD="results/autobatch-${GPU}.md"
 stage 60 $PY scripts/bench_pretrain.py --arch crammed-bert --autobatch --out "$AUTOBATCH_MD"
+# Two GPUs, FSDP2, GaLore with 8-bit moments: each rank projects its rows, gathering the whole gradient on
+# projector refreshes (every 10 updates here); proj_type=right shards all of GaLore's state.
+FSDP2_LOG="results/fsdp2-galore-${GPU}.log"
+FSDP2_METRICS="results/fsdp2-galore-${GPU}-metrics.jsonl"
+NGPU=$($PY -c "import torch; print(torch.cuda.device_count())")
+FSDP2_RC=0
+echo "== 2-GPU FSDP2 pretraining with galore_adamw_8bit ($(date -u +%T))"
+if [ "$NGPU" -lt 2 ]; then
+    echo "skipped: the 2-GPU FSDP2 run needs 2 visible CUDA devices, and this machine shows $NGPU" | tee "$FSDP2_LOG"
+elif ! $PY -c "import hydra" 2>/dev/null; then
+    echo "skipped: the 2-GPU FSDP2 run goes through pretrain.py, which needs hydra (pip install hydra-core)" \
+        | tee "$FSDP2_LOG"
+else
+    FSDP2_DIR=$(mktemp -d)
+    stage 150 $PY -m torch.distributed.run --standalone --nproc_per_node=2 pretrain.py name=fsdp2-galore \
+        data=embedded arch=tiny budget=1 train.steps=40 train.lr_schedule=steps-linear train.batch_size=64 \
+        train/optim=galore_adamw_8bit train.optim.rank=16 train.optim.update_proj_gap=10 \
+        train.optim.proj_type=right impl.distributed=fsdp2 impl.precision=bf16 impl.microbatch_size=16 \
+        train.log_every=5 base_dir="$FSDP2_DIR" 2>&1 | tee "$FSDP2_LOG"
+    FSDP2_RC=${PIPESTATUS[0]}
+    METRICS=$(find "$FSDP2_DIR" -name metrics.jsonl | head -n 1)
+    [ -n "$METRICS" ] && cp "$METRICS" "$FSDP2_METRICS"
+fi
 echo "== done ($(date -u +%T))"
 {
     echo
@@ -116,8 +143,10 @@ echo "== done ($(date -u +%T))"
 if [ -n "${OUT:-}" ]; then
     mkdir -p "$OUT/results"
     cp "$LOG" "$MD" "$OUT/results/"
-    for f in "$AOT_MD" "$STEP_MD" "$STEP_TRITON_MD" "$AUTOBATCH_MD"; do [ -f "$f" ] && cp "$f" "$OUT/results/"; done
+    for f in "$AOT_MD" "$STEP_MD" "$STEP_TRITON_MD" "$AUTOBATCH_MD" "$FSDP2_LOG" "$FSDP2_METRICS"; do
+        [ -f "$f" ] && cp "$f" "$OUT/results/"
+    done
 fi
-echo "tests exit ${TEST_RC}, AOT exit ${AOT_RC}, kernel bench exit ${BENCH_RC}, step bench exit ${STEP_RC};" \
-    "wrote $MD, $LOG, $AOT_MD, $STEP_MD"
-[ "$TEST_RC" -eq 0 ] && [ "$AOT_RC" -eq 0 ] && [ "$BENCH_RC" -eq 0 ] && [ "$STEP_RC" -eq 0 ]
+echo "tests exit ${TEST_RC}, AOT exit ${AOT_RC}, kernel bench exit ${BENCH_RC}, step bench exit ${STEP_RC}," \
+    "2-GPU FSDP2 exit ${FSDP2_RC}; wrote $MD, $LOG, $AOT_MD, $STEP_MD, $FSDP2_LOG"
+[ "$TEST_RC" -eq 0 ] && [ "$AOT_RC" -eq 0 ] && [ "$BENCH_RC" -eq 0 ] && [ "$STEP_RC" -eq 0 ] && [ "$FSDP2_RC" -eq 0 ]

@@ -2,7 +2,9 @@
 
     torchrun --standalone --nproc_per_node=2 tests/distributed_worker.py OUT_DIR SCENARIO...
 
-SCENARIO: ddp, optimizers, fsdp2, lowbit (AdamW with 32-, 8- and 4-bit moments under FSDP2); add `cuda` to run them on GPUs (nccl) instead of the CPU (gloo).
+SCENARIO: ddp, optimizers, fsdp2, lowbit (AdamW with 32-, 8- and 4-bit moments under FSDP2), galore (the
+galore_* optimizers under FSDP2), layerwise (layerwise optimizers under DDP, 2 micro-batches per
+update); add `cuda` to run them on GPUs (nccl) instead of the CPU (gloo).
 
 Each scenario trains the tiny model of tests/test_train.py with loop.train() and records, per rank, what the
 tests check (progress, stop reason, parameter differences to rank 0 after every update, gradient all-reduces
@@ -23,7 +25,7 @@ import torch.distributed as dist
 from test_train import FakeClock, make_config, run_dir, synthetic_data
 
 from cramming.errors import ConfigError
-from cramming.optim import optimizer_state_report
+from cramming.optim import LeanOptimizer, optimizer_state_report
 from cramming.train import distributed, loop
 
 torch.set_num_threads(1)
@@ -34,6 +36,12 @@ LOWBIT_STEPS = 50
 # an FFN whose shards end inside quantization blocks: 2 ranks hold 101 x 64 of up (202, 64) and 32 x 101 of
 # down (64, 101), 6464 and 3232 elements, multiples of neither 256 (8-bit) nor 128 (4-bit)
 LOWBIT_ARCH = "arch.intermediate_size=202"
+# scenario galore: the GaLore optimizers under FSDP2 on the same FFN, rank 8, the projector refreshed every
+# 10 updates (5 refreshes in the 50): `std` projects up (404, 64) on the right, down (64, 202) on the left
+GALORE_OPTIMIZERS = ("galore_adamw", "galore_adamw_8bit", "galore_adamw_4bit", "galore_adafactor")
+GALORE_SETTINGS = ("train.optim.rank=8", "train.optim.update_proj_gap=10")
+# scenario layerwise: under DDP mode, with 2 accumulated global micro-batches per update
+LAYERWISE_OPTIMIZERS = ("adamw_layerwise", "galore_adamw_layerwise", "adamw_8bit_layerwise")
 RANK = int(os.environ["RANK"])
 
 
@@ -83,7 +91,8 @@ def count_allreduces(per_microbatch: list[int]):
     def make_prepare(prepare_model):
         def prepare(*args):
             wrapped = prepare_model(*args)
-            wrapped.register_comm_hook(None, hook)
+            if hasattr(wrapped, "register_comm_hook"):  # a layerwise optimizer reduces without DDP
+                wrapped.register_comm_hook(None, hook)
             return wrapped
 
         return prepare
@@ -146,6 +155,20 @@ def state_report(reports: list[dict]):
         return reported
 
     return patched(loop, "apply_update", make)
+
+
+def held_gradients(held: list[int]):
+    """Before each layerwise step: how many bytes of gradients this rank holds (every optimizer parameter's)."""
+
+    def make(step_layer):
+        def counted(self, param):
+            params = [p for group in self.param_groups for p in group["params"]]
+            held.append(sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None))
+            return step_layer(self, param)
+
+        return counted
+
+    return patched(LeanOptimizer, "_step_layer", make)
 
 
 def summary(result: loop.TrainResult) -> dict:
@@ -239,9 +262,8 @@ def main() -> None:
         for name in ("adamw_8bit", "galore_adamw"):
             overrides = (f"name={name}", f"train/optim={name}", "train.optim.rank=8", "train.steps=2", *cuda)
             results[name] = steps(base, data, *overrides)
-        results["layerwise_error"] = refused(base, data, "train/optim=adamw_layerwise")
-        results["fsdp2_galore_error"] = refused(
-            base, data, "train/optim=galore_adamw_8bit", "impl.distributed=fsdp2"
+        results["fsdp2_layerwise_error"] = refused(
+            base, data, "train/optim=galore_adamw_8bit_layerwise", "impl.distributed=fsdp2"
         )
         results["fsdp2_fp16_error"] = refused(base, data, "impl.precision=fp16", "impl.distributed=fsdp2")
         results["batch_error"] = refused(
@@ -263,6 +285,32 @@ def main() -> None:
         results["fsdp2_4bit_budget"] = budget_then_resume(
             base, data, "fsdp2-4bit", "fsdp2", "train/optim=adamw_4bit", *cuda
         )
+    if "galore" in scenarios:
+        for name in GALORE_OPTIMIZERS:
+            overrides = (
+                f"name=fsdp2-{name}",
+                f"train/optim={name}",
+                f"train.steps={LOWBIT_STEPS}",
+                LOWBIT_ARCH,
+            )
+            overrides += (*GALORE_SETTINGS, *cuda)
+            results[f"fsdp2_{name}"] = steps(base, data, *overrides, "impl.distributed=fsdp2")
+    if "layerwise" in scenarios:
+        for name in LAYERWISE_OPTIMIZERS:
+            overrides = (
+                f"name=ddp-{name}",
+                f"train/optim={name}",
+                f"train.steps={LOWBIT_STEPS}",
+                LOWBIT_ARCH,
+            )
+            overrides += GALORE_SETTINGS if name.startswith("galore") else ()
+            results[f"ddp_{name}"] = steps(base, data, *overrides, *cuda)
+        # one micro-batch per update (accumulation keeps every gradient between micro-batches)
+        held: list[int] = []
+        with held_gradients(held):
+            overrides = ("name=ddp-held", "train/optim=adamw_layerwise", "train.batch_size=16", LOWBIT_ARCH)
+            results["ddp_layerwise_held"] = steps(base, data, *overrides, *cuda)
+        results["ddp_layerwise_held"]["most_gradient_bytes"] = max(held)
     (out / f"rank{RANK}.json").write_text(json.dumps(results, indent=1))
     distributed.shutdown()
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from cramming.optim import AdamW, OptimConfig, build_optimizer
+from cramming.optim import AdamW, OptimConfig, build_optimizer, galore
 from cramming.optim.galore import galore_parameters, low_rank_shape, projection_side
 
 PROJ_TYPES = ["std", "reverse_std", "left", "right", "full"]
@@ -206,9 +206,40 @@ def test_build_galore_groups_and_no_match_error():
         build_optimizer(model, OptimConfig(name="galore_adamw", target_modules=["nothing_here"]))
 
 
-def test_parity_with_galore_torch():
+@pytest.mark.parametrize("side", ["left", "right", "full"])
+def test_projectors_do_not_depend_on_the_svd_sign_choice(side):
+    # the SVD gives each singular pair up to a sign; rounding can flip LAPACK's choice (galore.canonical_signs)
+    u, _, vh = torch.linalg.svd(torch.randn(12, 9), full_matrices=False)
+    flip = torch.tensor([1.0, -1.0, -1.0, 1.0, -1.0, 1.0, 1.0, -1.0, -1.0])
+    ours = galore.canonical_signs(u, vh, side)
+    flipped = galore.canonical_signs(u * flip, vh * flip[:, None], side)
+    for a, b in zip(ours, flipped, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    stored = ours[0].T if side == "left" else ours[1]
+    assert (stored.gather(1, stored.abs().argmax(dim=1, keepdim=True)) > 0).all()
+
+
+def _galore_torch_with_our_signs(galore_torch, monkeypatch) -> None:
+    """galore-torch keeps LAPACK's signs; give its projectors our sign rule, so that the parity test compares
+    the rest of the algorithm (with the moments carried over refreshes, the signs change the result)."""
+    projector = galore_torch.galore_projector.GaLoreProjector
+    original = projector.get_orthogonal_matrix
+
+    def signed(self, weights, rank, type):
+        out = original(self, weights, rank, type)
+        if type == "right":  # Vh[:r] (r, n)
+            return galore.canonical_signs(torch.zeros(1, out.shape[0]), out, "right")[1]
+        if type == "left":  # U[:, :r] (m, r)
+            return galore.canonical_signs(out, torch.zeros(out.shape[1], 1), "left")[0]
+        raise AssertionError(f"the parity test uses one-sided projections, got {type}")
+
+    monkeypatch.setattr(projector, "get_orthogonal_matrix", signed)
+
+
+def test_parity_with_galore_torch(monkeypatch):
     """Our GaLore-AdamW against galore-torch's GaLoreAdamW: same seeds, same gradients."""
     galore_torch = pytest.importorskip("galore_torch", reason="galore-torch is not installed (a test extra)")
+    _galore_torch_with_our_signs(galore_torch, monkeypatch)
     p0 = torch.randn(48, 20)
     grads = [torch.randn(48, 20) for _ in range(10)]
     ours, theirs = nn.Parameter(p0.clone()), nn.Parameter(p0.clone())

@@ -200,6 +200,25 @@ def test_trainer_refuses_layerwise_with_the_fix(tmp_path):
         trainer.train()
 
 
+def test_trainer_optimizer_refuses_fsdp_with_the_supported_routes(monkeypatch):
+    """Trainer makes its accelerator (with the FSDP plugin) before it calls TrainerOptimizer, and FSDP2
+    shards the model only after: accelerate's state is what the factory sees. FSDP needs several processes
+    (and accelerate a GPU for its plugin), so this stands in for the state a GPU launch would have."""
+    accelerate_state = pytest.importorskip("accelerate.state")
+
+    class FSDPState:  # AcceleratorState's Borg instance, as `accelerate launch` with an FSDP2 config sets it
+        fsdp_plugin = object()
+
+    model = tiny_bert()
+    assert TrainerOptimizer()(model, "adamw_8bit", lr=1e-3)  # no FSDP: built
+    monkeypatch.setattr(accelerate_state, "is_initialized", lambda: True)
+    monkeypatch.setattr(accelerate_state, "AcceleratorState", FSDPState)
+    for name in ("adamw_8bit", "galore_adamw"):
+        with pytest.raises(ConfigError, match="FSDP") as err:
+            TrainerOptimizer()(model, name, lr=1e-3)
+        assert "Trainer with DDP" in str(err.value) and "impl.distributed=fsdp2" in str(err.value)
+
+
 def test_trainer_optimizer_refuses_parameter_groups():
     """An older transformers calls the class with its groups: a named error, not a wrong optimizer."""
     model = tiny_bert()

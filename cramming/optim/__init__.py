@@ -128,6 +128,7 @@ def _lean_adamw(
     bits: int,
     galore: bool,
     layerwise: bool,
+    reduce_group: torch.distributed.ProcessGroup | None = None,
 ) -> AdamW:
     return AdamW(
         lean_param_groups(model, cfg, galore=galore, bits=bits),
@@ -143,11 +144,19 @@ def _lean_adamw(
         kernel=kernel,
         layerwise=layerwise,
         max_grad_norm=max_grad_norm if layerwise else None,
+        reduce_group=reduce_group,
+        reduce_order=list(model.parameters()),
     )
 
 
 def _galore_adafactor(
-    model: nn.Module, cfg: OptimConfig, *, kernel: str, max_grad_norm: float | None, layerwise: bool
+    model: nn.Module,
+    cfg: OptimConfig,
+    *,
+    kernel: str,
+    max_grad_norm: float | None,
+    layerwise: bool,
+    reduce_group: torch.distributed.ProcessGroup | None = None,
 ) -> Adafactor:
     return Adafactor(
         lean_param_groups(model, cfg, galore=True, bits=32),
@@ -155,6 +164,8 @@ def _galore_adafactor(
         weight_decay=cfg.weight_decay,
         layerwise=layerwise,
         max_grad_norm=max_grad_norm if layerwise else None,
+        reduce_group=reduce_group,
+        reduce_order=list(model.parameters()),
     )
 
 
@@ -215,6 +226,7 @@ def build_optimizer(
     *,
     kernel: str = "auto",
     max_grad_norm: float | None = None,
+    reduce_group: torch.distributed.ProcessGroup | None = None,
     scope: str = "train.optim",
 ) -> torch.optim.Optimizer:
     """The optimizer `cfg.name` over `model`'s trainable parameters.
@@ -223,6 +235,9 @@ def build_optimizer(
         a speed setting, the loop may derive it from `impl`.
     max_grad_norm: the loop's clipping threshold. Layerwise optimizers clip each parameter's gradient to it
         in their hooks (the loop must not clip); the others ignore it (the loop clips as usual).
+    reduce_group: with several processes, the group over which a layerwise optimizer averages each gradient
+        in its hook (the model must then not be wrapped in DDP; see cramming.optim.layerwise). Ignored by the
+        others.
     scope: where the settings sit in the config (train.optim or eval.optim), for the error messages.
     """
     check_choice(f"{scope}.name", cfg.name, OPTIMIZERS)
@@ -236,7 +251,8 @@ def build_optimizer(
                 f"`{scope}.name={cfg.name}`: use `{scope}.backend=cramming`"
             )
         return names[cfg.name](model, cfg)
-    return OPTIMIZERS[cfg.name](model, cfg, kernel=kernel, max_grad_norm=max_grad_norm)
+    extra = {"reduce_group": reduce_group} if cfg.name.endswith("_layerwise") else {}
+    return OPTIMIZERS[cfg.name](model, cfg, kernel=kernel, max_grad_norm=max_grad_norm, **extra)
 
 
 # the library entry points are built on build_optimizer, hence imported after it

@@ -23,7 +23,7 @@ from collections.abc import Iterable
 import torch
 
 from cramming.kernels import triton_status
-from cramming.optim.base import LeanOptimizer, StateSpec, local_part
+from cramming.optim.base import LeanOptimizer, RowShard, StateSpec
 from cramming.optim.lowbit import (
     RANK1_DYNAMIC4,
     AdamScalars,
@@ -88,6 +88,8 @@ class AdamW(LeanOptimizer):
         kernel: str = "auto",
         layerwise: bool = False,
         max_grad_norm: float | None = None,
+        reduce_group: torch.distributed.ProcessGroup | None = None,
+        reduce_order: Iterable[torch.Tensor] = (),
     ) -> None:
         if optim_bits not in (4, 8, 32):
             raise ValueError(f"optim_bits must be 4, 8 or 32, got {optim_bits}")
@@ -113,7 +115,14 @@ class AdamW(LeanOptimizer):
             "optim_bits": optim_bits,
             "min_8bit_size": min_8bit_size,
         }
-        super().__init__(params, defaults, layerwise=layerwise, max_grad_norm=max_grad_norm)
+        super().__init__(
+            params,
+            defaults,
+            layerwise=layerwise,
+            max_grad_norm=max_grad_norm,
+            reduce_group=reduce_group,
+            reduce_order=reduce_order,
+        )
         self.kernel = kernel
         self.second_moment_map = second_moment_map
         self.first_moment_rounding = first_moment_rounding
@@ -203,8 +212,11 @@ class AdamW(LeanOptimizer):
 
     # --- the update -----------------------------------------------------------------------------------
 
-    def _direction(self, grad: torch.Tensor, state: dict, group: dict, step: int) -> torch.Tensor:
-        """m̂ / (sqrt(v̂) + eps) in the moments' space (GaLore's low-rank gradient)."""
+    def _direction(
+        self, grad: torch.Tensor, state: dict, group: dict, step: int, rows: RowShard | None = None
+    ) -> torch.Tensor:
+        """m̂ / (sqrt(v̂) + eps) in the moments' space (GaLore's low-rank gradient). Elementwise, and quantized
+        blocks end at a shard's boundary: a rank's rows need no communication."""
         if "m_codes" in state:
             # the fused update on a zero "parameter" with lr 1 and no decay leaves -m̂/(sqrt(v̂)+eps) in it
             out = torch.zeros_like(grad, dtype=torch.float32)
@@ -216,7 +228,13 @@ class AdamW(LeanOptimizer):
         return (exp_avg / denom).mul_(step_size)
 
     def _update_full(
-        self, param: torch.Tensor, grad: torch.Tensor, state: dict, group: dict, step: int
+        self,
+        param: torch.Tensor,
+        grad: torch.Tensor,
+        state: dict,
+        group: dict,
+        step: int,
+        rows: RowShard | None = None,
     ) -> None:
         lr, wd = group["lr"], group["weight_decay"]
         if "m_codes" in state:
@@ -249,7 +267,8 @@ class AdamW(LeanOptimizer):
                 if not state or "m_codes" not in state:
                     continue
                 saved = saved_format(state)
-                wanted = self._state_tags(self.moment_shape(param, group), group).get("v_map")
+                whole_numel = self._whole_moment_numel(param, group)
+                wanted = self._state_tags(self.moment_shape(param, group), group, whole_numel).get("v_map")
                 saved_bits = 4 if saved == RANK1_DYNAMIC4 else 8
                 if wanted is None or (wanted == RANK1_DYNAMIC4) != (saved_bits == 4):
                     wanted_bits = 32 if wanted is None else 4 if wanted == RANK1_DYNAMIC4 else 8
@@ -265,11 +284,7 @@ class AdamW(LeanOptimizer):
                     )
                     convert_second_moment(moments, saved, wanted)
                 else:
-                    shape = (
-                        tuple(local_part(param).shape)
-                        if group["rank"] == 0
-                        else self.moment_shape(param, group)
-                    )
+                    shape = self.moment_shape(param, group)
                     maps4 = self._quant_maps(state["m_codes"].device)[2]
                     wanted_m = self._first_moment_format(group)
                     convert_first_moment_4bit(state, shape, maps4, saved_first_moment_format(state), wanted_m)

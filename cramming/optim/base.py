@@ -3,7 +3,9 @@
 A subclass says only how its moments look (`_moment_specs`) and how a gradient becomes a normalized update
 (`_direction`); this class allocates the state, projects the 2-D weights of GaLore groups, applies the
 decoupled weight decay and the learning rate, and runs either as a normal optimizer or layerwise. Under
-FSDP2 each rank updates its own shard of every parameter, with moments of the shard's shape (_step_param).
+FSDP2 each rank updates its own shard of every parameter, with moments of the shard's shape (_step_param);
+a GaLore weight's projector comes from the whole gradient, gathered on refresh steps only
+(_step_galore_shard, and cramming.optim.galore for which side shards what).
 
 Param-group keys, besides lr and weight_decay:
     rank             0: plain update; > 0: GaLore projection of this group's (2-D) parameters
@@ -15,16 +17,22 @@ Layerwise mode — the contract with the training loop
 With `layerwise=True` each parameter is updated inside its post-accumulate-grad hook, as soon as its
 gradient is complete, and its gradient is freed at once, so full gradients are never all held together.
 `optimizer.layerwise` is True; the loop must:
-  * keep gradient accumulation at 1: a second backward before `optimizer.step()` raises ConfigError from
-    inside `loss.backward()` (the hooks would otherwise update once per micro-batch), and call
-    `check_layerwise_loop` at start-up to fail before the first step. No DDP (refused at construction:
-    the update would run before the all-reduce), no fp16 GradScaler (the hooks see scaled gradients).
+  * with gradient accumulation, set `optimizer.accumulating = True` around every micro-batch's backward but
+    an update's last (TrainStep.microbatch does): the hooks then leave the gradients to add up, and step on
+    the last. A second stepping backward before `optimizer.step()` raises ConfigError from inside
+    `loss.backward()` (each micro-batch would be a step).
+  * with several processes, pass `reduce_group` (the loop's DDP mode; and not wrap the model in DDP): each
+    gradient is averaged over the ranks in its hook, then stepped (cramming.optim.layerwise). Without it a
+    layerwise optimizer refuses to be built when a process group of several ranks exists: someone else's
+    DDP would reduce the gradients after the hooks had stepped on them. No fp16 GradScaler (the hooks see
+    scaled gradients): call `check_layerwise_loop` at start-up.
   * not clip the model's gradients itself: they are gone by then, and `clip_grad_norm_` would silently
     return 0. Pass the clipping threshold as `max_grad_norm` instead: each parameter's gradient is clipped
     to that norm (per-parameter clipping, not the global-norm clipping of the normal path).
     `optimizer.grad_norm` holds the global norm of the last step's gradients (before clipping) for logging.
-  * call `optimizer.step()` once per backward, as usual: it updates nothing, it closes the step (resets
-    the per-step checks and computes `grad_norm`). `zero_grad` is harmless.
+  * call `optimizer.step()` once per update, as usual: it updates nothing itself, it closes the step (steps
+    the parameters whose reductions are still in flight, resets the per-step checks and computes
+    `grad_norm`). `zero_grad` closes it too (an update skipped after backward).
   * step its LR scheduler once per `optimizer.step()`, as usual: the hooks read each group's lr when they
     run, so the lr set after step k is the one used by the hooks of step k + 1 — the same count and
     timing as the normal path.
@@ -33,12 +41,16 @@ gradient is complete, and its gradient is freed at once, so full gradients are n
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from cramming.errors import ConfigError
 from cramming.optim import galore
+from cramming.optim.layerwise import GradientReducer
 
 StateSpec = dict[str, tuple[tuple[int, ...], torch.dtype]]
 
@@ -55,6 +67,65 @@ def local_part(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if is_sharded(tensor) else tensor
 
 
+@dataclass(frozen=True)
+class RowShard:
+    """A rank's tensor is rows [start, start + rows) of a whole one of `whole_rows` rows (FSDP2's Shard(0)),
+    and `group` holds the ranks with the other rows."""
+
+    group: dist.ProcessGroup
+    whole_rows: int
+    start: int
+    rows: int
+
+    def piece_numel(self, numel: int) -> int:
+        """Elements of each rank's equal piece of a flattened tensor of `numel` (the last one zero-padded)."""
+        return -(-numel // dist.get_world_size(self.group))
+
+    def piece(self, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's piece of `tensor` (the same on every rank), flattened: a copy of piece_numel elements."""
+        size = self.piece_numel(tensor.numel())
+        start = dist.get_rank(self.group) * size
+        flat = tensor.reshape(-1)[start : start + size]
+        return torch.cat([flat, flat.new_zeros(size - flat.numel())])
+
+    def whole(self, piece: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+        """The tensor of `shape` whose pieces the ranks hold (all-gather: collective)."""
+        out = piece.new_empty(piece.numel() * dist.get_world_size(self.group))
+        dist.all_gather_single(out, piece, group=self.group)
+        return out[: math.prod(shape)].view(shape)
+
+    def sum_(self, tensor: torch.Tensor) -> torch.Tensor:
+        """`tensor` summed over the ranks, in place (collective)."""
+        dist.all_reduce(tensor, group=self.group)
+        return tensor
+
+    def broadcast_(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The group's first rank's `tensor`, in place on every rank (collective)."""
+        dist.broadcast(tensor, src=dist.get_global_rank(self.group, 0), group=self.group)
+        return tensor
+
+
+def row_shard(param: torch.Tensor) -> RowShard | None:
+    """Which rows of `param` this rank holds: None for a plain tensor; FSDP2's DTensor is sharded on dim 0
+    over a 1-D mesh in torch.chunk's pieces (ceil(m / ranks) rows each, the last ones fewer or none)."""
+    if not is_sharded(param):
+        return None
+    from torch.distributed.tensor import Shard
+
+    mesh = param.device_mesh
+    if mesh.ndim != 1 or tuple(param.placements) != (Shard(0),):
+        raise ConfigError(
+            f"our optimizers update FSDP2 shards of dim 0 on one mesh dimension, and got placements "
+            f"{tuple(param.placements)} on a {mesh.ndim}-D mesh: use fully_shard on a 1-D mesh (no HSDP)"
+        )
+    whole_rows, chunk = param.shape[0], -(-param.shape[0] // mesh.size())
+    start = min(mesh.get_local_rank() * chunk, whole_rows)
+    rows = param.to_local().shape[0]
+    if rows != min(chunk, whole_rows - start):
+        raise ConfigError(f"an FSDP2 shard of {rows} rows at row {start} is not torch.chunk's: unsupported")
+    return RowShard(mesh.get_group(), whole_rows, start, rows)
+
+
 class LeanOptimizer(torch.optim.Optimizer):
     """Base of AdamW (32/8-bit) and Adafactor: see the module docstring for group keys and layerwise mode."""
 
@@ -65,7 +136,12 @@ class LeanOptimizer(torch.optim.Optimizer):
         *,
         layerwise: bool = False,
         max_grad_norm: float | None = None,
+        reduce_group: dist.ProcessGroup | None = None,
+        reduce_order: Iterable[torch.Tensor] = (),
     ) -> None:
+        """reduce_group: a layerwise optimizer's group of ranks to average each gradient over (module
+        docstring); reduce_order: its parameters in the order the model registers them (backward produces
+        the gradients in about the reverse order; the optimizer's own order, by group, may be far from it)."""
         if max_grad_norm is not None and not layerwise:
             raise ValueError(
                 "max_grad_norm is for layerwise mode; otherwise clip with clip_grad_norm_ as usual"
@@ -76,10 +152,25 @@ class LeanOptimizer(torch.optim.Optimizer):
         self._hooks: list = []
         self._stepped: set[int] = set()
         self._sq_norm: torch.Tensor | None = None
-        if layerwise:
+        self._group_of: dict[int, int] = {}  # id(param) -> index of its group
+        self.accumulating = False  # layerwise: the next backward only accumulates (see the module docstring)
+        if layerwise and reduce_group is None:
             self._refuse_distributed()
         defaults = {"rank": 0, "update_proj_gap": 200, "scale": 1.0, "proj_type": "std", **defaults}
         super().__init__(params, defaults)  # calls add_param_group, which hooks layerwise parameters
+        self._reducer = None
+        if layerwise and reduce_group is not None and dist.get_world_size(reduce_group) > 1:
+            params = [p for group in self.param_groups for p in group["params"]]
+            mine = {id(p) for p in params}
+            ordered = list({id(p): p for p in reduce_order if id(p) in mine}.values())  # once each
+            placed = {id(p) for p in ordered}
+            ordered += [p for p in params if id(p) not in placed]
+            if any(is_sharded(p) for p in params):
+                raise ConfigError(
+                    "a layerwise optimizer got FSDP2 shards: FSDP2 reduces the gradients after the hooks in "
+                    "which it steps. Use impl.distributed=ddp, or the optimizer name without `_layerwise`"
+                )
+            self._reducer = GradientReducer(ordered, self._step_layer, reduce_group)
 
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(param_group)
@@ -88,6 +179,7 @@ class LeanOptimizer(torch.optim.Optimizer):
             raise ValueError("GaLore groups (rank > 0) may hold 2-D parameters only")
         if self.layerwise:
             group_index = len(self.param_groups) - 1
+            self._group_of.update({id(p): group_index for p in group["params"]})
             self._hooks += [
                 p.register_post_accumulate_grad_hook(functools.partial(self._layerwise_hook, group_index))
                 for p in group["params"]
@@ -107,15 +199,24 @@ class LeanOptimizer(torch.optim.Optimizer):
         (whole_numel as for _moment_specs)."""
         return {}
 
-    def _direction(self, grad: torch.Tensor, state: dict, group: dict, step: int) -> torch.Tensor:
-        """Update the moments with the fp32 `grad` and return the normalized update (p -= lr · direction)."""
+    def _direction(
+        self, grad: torch.Tensor, state: dict, group: dict, step: int, rows: RowShard | None = None
+    ) -> torch.Tensor:
+        """Update the moments with the fp32 `grad` and return the normalized update (p -= lr · direction).
+        rows: set when `grad` is one rank's rows of a whole tensor, for updates that reduce over rows."""
         raise NotImplementedError
 
     def _update_full(
-        self, param: torch.Tensor, grad: torch.Tensor, state: dict, group: dict, step: int
+        self,
+        param: torch.Tensor,
+        grad: torch.Tensor,
+        state: dict,
+        group: dict,
+        step: int,
+        rows: RowShard | None = None,
     ) -> None:
         """The plain (unprojected) update of `param`; a subclass may fuse it."""
-        direction = self._direction(grad.float(), state, group, step)
+        direction = self._direction(grad.float(), state, group, step, rows)
         work = param if param.dtype == torch.float32 else param.float()
         work.mul_(1.0 - group["lr"] * group["weight_decay"]).add_(direction, alpha=-group["lr"])
         if work is not param:
@@ -125,61 +226,118 @@ class LeanOptimizer(torch.optim.Optimizer):
 
     @staticmethod
     def moment_shape(param: torch.Tensor, group: dict) -> tuple[int, ...]:
-        """The shape of this parameter's moments: its own, or its low-rank shape in a GaLore group."""
+        """The shape of this parameter's moments as this rank holds them: its own (its shard's under FSDP2),
+        or its low-rank shape in a GaLore group (see cramming.optim.galore for FSDP2's)."""
+        shard = row_shard(param)
         if group["rank"] > 0:
-            return galore.low_rank_shape(tuple(param.shape), group["rank"], group["proj_type"])
-        return tuple(param.shape)
+            rows = None if shard is None else shard.rows
+            return galore.low_rank_shape(tuple(param.shape), group["rank"], group["proj_type"], rows)
+        return tuple(local_part(param).shape)
+
+    @staticmethod
+    def _whole_moment_numel(param: torch.Tensor, group: dict) -> int:
+        """Elements of the moments one process would hold: any choice made by size (AdamW's min_8bit_size)
+        is made on this, so it is the same on every rank and as in one process."""
+        if group["rank"] > 0:
+            return math.prod(galore.low_rank_shape(tuple(param.shape), group["rank"], group["proj_type"]))
+        return param.numel()
 
     def state_spec(self, param: torch.Tensor, group: dict) -> StateSpec:
         """Every state tensor this parameter will have, predicted without a step (for the memory report).
-        A sharded parameter's state is that of its local shard (see _step_param)."""
-        if is_sharded(param):
-            self._refuse_sharded_galore(group)
-            return self._moment_specs(tuple(local_part(param).shape), group, whole_numel=param.numel())
+        A sharded parameter's state is what its rank holds (see _step_param)."""
+        shard = row_shard(param)
+        whole_numel = None if shard is None else self._whole_moment_numel(param, group)
+        spec = self._moment_specs(self.moment_shape(param, group), group, whole_numel)
         if group["rank"] > 0:
-            shape2d = tuple(param.shape)
-            spec = self._moment_specs(
-                galore.low_rank_shape(shape2d, group["rank"], group["proj_type"]), group
-            )
-            for key, shape in galore.projector_shapes(shape2d, group["rank"], group["proj_type"]).items():
-                spec[key] = (shape, torch.float32)
-            return spec
-        return self._moment_specs(tuple(param.shape), group)
-
-    @staticmethod
-    def _refuse_sharded_galore(group: dict) -> None:
-        if group["rank"] > 0:
-            raise ConfigError(
-                "GaLore projects whole matrices, and FSDP2 gave this optimizer shards of them: use "
-                "impl.distributed=ddp with galore_* optimizers"
-            )
+            rows = None if shard is None else shard.rows
+            shapes = galore.projector_shapes(tuple(param.shape), group["rank"], group["proj_type"], rows)
+            if shard is not None and "galore_right" in shapes:  # a piece of it: see _step_galore_shard
+                shapes["galore_right"] = (shard.piece_numel(math.prod(shapes["galore_right"])),)
+            spec.update({key: (shape, torch.float32) for key, shape in shapes.items()})
+        return spec
 
     def _step_param(self, param: torch.Tensor, grad: torch.Tensor, group: dict) -> None:
         """One parameter's update. Under FSDP2 (a DTensor `param`) each rank updates its own shard with
         moments of the shard's shape, held as plain local tensors: the update is elementwise, and quantized
-        moments take their block scales over the shard (blocks end at the shard's boundary)."""
+        moments take their block scales over the shard (blocks end at the shard's boundary). GaLore weights:
+        _step_galore_shard."""
         state = self.state[param]
+        shard = row_shard(param)
         if not state:
             state["step"] = 0
             for key, (shape, dtype) in self.state_spec(param, group).items():
                 if not key.startswith("galore_"):  # projectors come from the first SVD
                     state[key] = torch.zeros(shape, dtype=dtype, device=param.device)
-            whole_numel = param.numel() if is_sharded(param) else None
+            whole_numel = None if shard is None else self._whole_moment_numel(param, group)
             state.update(self._state_tags(self.moment_shape(param, group), group, whole_numel))
         state["step"] += 1
         step = state["step"]
-        if is_sharded(param):
+        if shard is not None and group["rank"] > 0:
+            self._step_galore_shard(param, grad, state, group, shard)
+            return
+        if shard is not None:
             param, grad = local_part(param), local_part(grad)
-            if param.numel() == 0:  # a tensor of fewer rows than ranks: this rank holds none of it
+            # a tensor of fewer rows than ranks: this rank holds none of it (and joins no collective)
+            if param.numel() == 0 and not self.reduces_over_rows:
                 return
         if group["rank"] == 0:
-            self._update_full(param, grad, state, group, step)
+            self._update_full(param, grad, state, group, step, shard)
             return
         low = galore.project(grad, state, step, group["rank"], group["proj_type"], group["update_proj_gap"])
         direction = self._direction(low, state, group, step)
-        update = galore.project_back(direction, state, group["proj_type"], tuple(param.shape))  # (m, n) fp32
+        self._apply_low_rank(param, direction, state, group, tuple(param.shape))
+
+    def _step_galore_shard(
+        self, param: torch.Tensor, grad: torch.Tensor, state: dict, group: dict, shard: RowShard
+    ) -> None:
+        """A GaLore weight's update on this rank's rows (collective: every rank calls it in the same order).
+
+        On refresh steps the whole gradient is gathered (all-gather) and the first rank's SVD projectors are
+        broadcast, so every rank projects with the same bits. A rank keeps its rows of a left projector, and
+        a 1/ranks piece of a right projector, which every step gathers (all-gather of r×n: the weight's
+        all-gather that FSDP2 does anyway is m/r times larger). The right side then needs no other
+        communication and its moments are this rank's rows; the left and full sides sum the ranks' partial
+        projections (all-reduce of the low-rank gradient) and every rank holds the same moments."""
+        whole_shape, step = tuple(param.shape), state["step"]
+        projectors = {}
+        if galore.needs_projectors(state, step, group["update_proj_gap"]):
+            whole_grad = grad.full_tensor()  # (m, n) on every rank
+            projectors = galore.svd_projectors(whole_grad, group["rank"], group["proj_type"])
+            projectors = {key: shard.broadcast_(value) for key, value in projectors.items()}
+            if "galore_left" in projectors:  # (m, r): this rank's rows
+                left = projectors["galore_left"][shard.start : shard.start + shard.rows].contiguous()
+                state["galore_left"] = projectors["galore_left"] = left
+            if "galore_right" in projectors:  # (r, n): a piece
+                state["galore_right"] = shard.piece(projectors["galore_right"])
+        elif "galore_right" in state:
+            shape = galore.projector_shapes(whole_shape, group["rank"], group["proj_type"])["galore_right"]
+            projectors["galore_right"] = shard.whole(state["galore_right"], shape)
+        if "galore_left" in state:
+            projectors["galore_left"] = state["galore_left"]
+        side = galore.projection_side(whole_shape, group["proj_type"])
+        low = galore.apply_projection(local_part(grad), projectors, side)
+        if side == "right":  # (rows, r): this rank's rows of the low-rank gradient
+            direction = self._direction(low, state, group, step, shard)
+        else:
+            direction = self._direction(shard.sum_(low), state, group, step)  # the whole, on every rank
+        self._apply_low_rank(local_part(param), direction, projectors, group, whole_shape)
+
+    @staticmethod
+    def _apply_low_rank(
+        param: torch.Tensor,
+        direction: torch.Tensor,
+        projectors: dict,
+        group: dict,
+        whole_shape: tuple[int, int],
+    ) -> None:
+        """Decay `param` (a whole weight or a rank's rows) and add the projected-back low-rank `direction`."""
+        update = galore.project_back(direction, projectors, group["proj_type"], whole_shape)  # (rows, n)
         param.mul_(1.0 - group["lr"] * group["weight_decay"])
         param.add_(update.to(param.dtype), alpha=-group["lr"] * group["scale"])
+
+    # whether _direction reduces over a row-sharded tensor's ranks (Adafactor's factored statistics): then
+    # a rank that holds no rows of a tensor still joins its collectives
+    reduces_over_rows = False
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -203,27 +361,38 @@ class LeanOptimizer(torch.optim.Optimizer):
         dist = torch.distributed
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             raise ConfigError(
-                "layerwise optimizers update inside gradient hooks, before DDP's all-reduce: use the "
-                "non-layerwise optimizer name (without `_layerwise`) for multi-process training"
+                "layerwise optimizers update inside gradient hooks, before a DDP wrapper's all-reduce: with "
+                "several processes pass reduce_group (cramming's loop does, under impl.distributed=ddp), or "
+                "use the optimizer name without `_layerwise`"
             )
 
     @torch.no_grad()
     def _layerwise_hook(self, group_index: int, param: torch.Tensor) -> None:
+        if self.accumulating:  # a micro-batch before the update's last: its gradient adds up in param.grad
+            return
         if id(param) in self._stepped:
             raise ConfigError(
-                "a layerwise optimizer got a second backward before optimizer.step(): gradient accumulation "
-                "is not supported with `*_layerwise` optimizers (each micro-batch would be a step). Use "
-                "accumulation 1 or the optimizer name without `_layerwise`"
+                "a layerwise optimizer got a second stepping backward before optimizer.step(): with gradient "
+                "accumulation set `optimizer.accumulating = True` for every micro-batch but the last "
+                "(TrainStep.microbatch), or use the optimizer name without `_layerwise`"
             )
+        self._stepped.add(id(param))
+        if self._reducer is None:
+            self._step_layer(param)
+        else:
+            self._reducer.ready(param)  # steps it once its gradient is averaged over the ranks
+
+    @torch.no_grad()
+    def _step_layer(self, param: torch.Tensor) -> None:
+        """Clip `param`'s (complete, reduced) gradient, step it, free it."""
         grad = param.grad
         norm = torch.linalg.vector_norm(grad.float())
         self._sq_norm = norm.square() if self._sq_norm is None else self._sq_norm + norm.square()
         if self.max_grad_norm is not None:
             # torch.nn.utils.clip_grad_norm_'s rule, applied to this parameter alone
             grad.mul_((self.max_grad_norm / (norm + 1e-6)).clamp(max=1.0).to(grad.dtype))
-        self._step_param(param, grad, self.param_groups[group_index])
+        self._step_param(param, grad, self.param_groups[self._group_of[id(param)]])
         param.grad = None
-        self._stepped.add(id(param))
 
     def remove_hooks(self) -> None:
         """Detach a layerwise optimizer from its parameters (before building another one on them)."""
@@ -232,9 +401,20 @@ class LeanOptimizer(torch.optim.Optimizer):
         self._hooks = []
 
     def _close_layerwise_step(self) -> None:
+        """Step what is still being reduced; then the step's gradient norm, and the checks start afresh."""
+        if not self._stepped:  # nothing stepped since the last close (e.g. zero_grad after step)
+            return
+        if self._reducer is not None:
+            with torch.no_grad():
+                self._reducer.finish()
         self.grad_norm = None if self._sq_norm is None else self._sq_norm.sqrt()
         self._sq_norm = None
         self._stepped.clear()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if self.layerwise:  # an update skipped after its backward: its steps are done, close them
+            self._close_layerwise_step()
+        super().zero_grad(set_to_none)
 
     # --- state dict -------------------------------------------------------------------------------------
 
@@ -252,20 +432,9 @@ class LeanOptimizer(torch.optim.Optimizer):
                 }
 
 
-def check_layerwise_loop(
-    optimizer: torch.optim.Optimizer, *, grad_accumulation: int, distributed: bool, grad_scaler: bool
-) -> None:
+def check_layerwise_loop(optimizer: torch.optim.Optimizer, *, grad_scaler: bool) -> None:
     """Start-up check the loop calls once: raises ConfigError when a layerwise optimizer cannot do its job."""
-    if not getattr(optimizer, "layerwise", False):
-        return
-    if grad_accumulation != 1:
-        raise ConfigError(
-            f"`*_layerwise` optimizers need gradient accumulation 1 (got {grad_accumulation}): each backward "
-            "is a step. Use a micro-batch equal to the batch, or the name without `_layerwise`"
-        )
-    if distributed:
-        raise ConfigError("`*_layerwise` optimizers cannot run under DDP: use the name without `_layerwise`")
-    if grad_scaler:
+    if getattr(optimizer, "layerwise", False) and grad_scaler:
         raise ConfigError(
             "`*_layerwise` optimizers see the gradients before a GradScaler could unscale them: use bf16 or "
             "fp32 (impl.precision), not fp16, or the name without `_layerwise`"

@@ -14,6 +14,18 @@ its moments at that size, and its normalized update is projected back to m×n an
 The projectors are plain fp32 tensors in the optimizer state (`galore_left`, `galore_right`), so the state
 saves and loads with `torch.load(weights_only=True)`.
 
+Under FSDP2 a rank holds rows [start, start + rows) of W, and of G (see LeanOptimizer._step_galore_shard).
+The projector comes from the whole gradient, gathered on refresh steps only; then, per side:
+    right  G_rows Pᵀ is this rank's rows of G Pᵀ: the moments shard by rows with W. Every rank needs all of
+           P (r×n): each keeps a 1/ranks piece and gathers it every step (r×n, r/m of the weight's own
+           all-gather), so that the projectors too are sharded
+    left   Pᵀ G = Σ_ranks P_rowsᵀ G_rows: one all-reduce of (r×n); the moments are replicated, and
+           each rank keeps only its rows of P, which is all that P N needs for its rows
+    full   as left, (r×r)
+`std` projects on the right when m >= n; proj_type=right projects every weight there, which under FSDP2
+shards all of GaLore's state (results/optim_memory.md). `rows` below is a rank's row count: the shapes
+of what one rank holds.
+
 Adam is not rotation-invariant: even at full rank (r = min(m, n), where projecting and projecting back is
 the identity on G) GaLore-AdamW equals AdamW only when the singular vectors are signed unit vectors.
 """
@@ -48,21 +60,27 @@ def effective_rank(shape: tuple[int, int], rank: int) -> int:
     return min(rank, *shape)
 
 
-def low_rank_shape(shape: tuple[int, int], rank: int, proj_type: str) -> tuple[int, int]:
-    """Shape of the projected gradient, hence of the optimizer's moments."""
+def low_rank_shape(
+    shape: tuple[int, int], rank: int, proj_type: str, rows: int | None = None
+) -> tuple[int, int]:
+    """Shape of the projected gradient, hence of the optimizer's moments; with `rows`, of what a rank
+    holding that many rows of the (m, n) weight holds (only the right side's is a row shard)."""
     m, n = shape
     r = effective_rank(shape, rank)
     side = projection_side(shape, proj_type)
-    return {"right": (m, r), "left": (r, n), "full": (r, r)}[side]
+    return {"right": (m if rows is None else rows, r), "left": (r, n), "full": (r, r)}[side]
 
 
-def projector_shapes(shape: tuple[int, int], rank: int, proj_type: str) -> dict[str, tuple[int, int]]:
+def projector_shapes(
+    shape: tuple[int, int], rank: int, proj_type: str, rows: int | None = None
+) -> dict[str, tuple[int, int]]:
+    """Shapes of the stored projectors; with `rows`, as for low_rank_shape (the left one is a row shard)."""
     m, n = shape
     r = effective_rank(shape, rank)
     side = projection_side(shape, proj_type)
     shapes = {}
     if side in ("left", "full"):
-        shapes["galore_left"] = (m, r)
+        shapes["galore_left"] = (m if rows is None else rows, r)
     if side in ("right", "full"):
         shapes["galore_right"] = (r, n)
     return shapes
@@ -73,17 +91,44 @@ def refresh_due(step: int, update_proj_gap: int) -> bool:
     return (step - 1) % update_proj_gap == 0
 
 
-def project(grad: torch.Tensor, state: dict, step: int, rank: int, proj_type: str, gap: int) -> torch.Tensor:
-    """The fp32 low-rank gradient; computes the projector into `state` when due."""
-    g = grad.float()  # (m, n)
+def needs_projectors(state: dict, step: int, update_proj_gap: int) -> bool:
+    return refresh_due(step, update_proj_gap) or not any(k in state for k in _PROJECTOR_KEYS)
+
+
+def svd_projectors(grad: torch.Tensor, rank: int, proj_type: str) -> dict[str, torch.Tensor]:
+    """The projectors of a whole (m, n) gradient, from its fp32 SVD: galore_left (m, r), galore_right (r, n)."""
+    g = grad.float()
     side = projection_side(tuple(g.shape), proj_type)
-    if refresh_due(step, gap) or not any(k in state for k in _PROJECTOR_KEYS):
-        r = effective_rank(tuple(g.shape), rank)
-        u, _, vh = torch.linalg.svd(g, full_matrices=False)  # (m, k), (k,), (k, n) with k = min(m, n)
-        if side in ("left", "full"):
-            state["galore_left"] = u[:, :r].contiguous()  # (m, r)
-        if side in ("right", "full"):
-            state["galore_right"] = vh[:r].contiguous()  # (r, n)
+    r = effective_rank(tuple(g.shape), rank)
+    u, _, vh = torch.linalg.svd(g, full_matrices=False)  # (m, k), (k,), (k, n) with k = min(m, n)
+    u, vh = canonical_signs(u, vh, side)
+    projectors = {}
+    if side in ("left", "full"):
+        projectors["galore_left"] = u[:, :r].contiguous()  # (m, r)
+    if side in ("right", "full"):
+        projectors["galore_right"] = vh[:r].contiguous()  # (r, n)
+    return projectors
+
+
+def canonical_signs(u: torch.Tensor, vh: torch.Tensor, side: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The SVD with each singular pair's sign chosen so that the stored vector's largest-magnitude entry is
+    positive (u's column for the left side, vh's row otherwise); u S vh is unchanged.
+
+    The SVD fixes each pair only up to a sign, and LAPACK's choice can flip when the gradient changes by
+    rounding. The moments carry over a refresh, so a flipped vector reverses what they mean for it: measured
+    on the tiny model, one process with micro-batch 16 or 8 (the same gradients up to summation order) ended
+    56% of the training move apart on a weight after 50 updates, and 2 FSDP2 ranks likewise. With this rule
+    the runs agree within 1e-4 of the move."""
+    stored = u.T if side == "left" else vh  # (k, m) or (k, n): one vector per row
+    sign = stored.gather(1, stored.abs().argmax(dim=1, keepdim=True)).sign()  # (k, 1)
+    sign[sign == 0] = 1.0
+    return u * sign.T, vh * sign
+
+
+def apply_projection(grad: torch.Tensor, state: dict, side: str) -> torch.Tensor:
+    """The fp32 low-rank gradient with the stored projectors (under FSDP2, of a rank's rows: for the left
+    and full sides a partial sum over the ranks' rows)."""
+    g = grad.float()  # (m, n)
     if side == "right":
         return g @ state["galore_right"].T  # (m, r)
     if side == "left":
@@ -91,8 +136,16 @@ def project(grad: torch.Tensor, state: dict, step: int, rank: int, proj_type: st
     return state["galore_left"].T @ g @ state["galore_right"].T  # (r, r)
 
 
+def project(grad: torch.Tensor, state: dict, step: int, rank: int, proj_type: str, gap: int) -> torch.Tensor:
+    """The fp32 low-rank gradient of a whole matrix; computes the projector into `state` when due."""
+    if needs_projectors(state, step, gap):
+        state.update(svd_projectors(grad, rank, proj_type))
+    return apply_projection(grad, state, projection_side(tuple(grad.shape), proj_type))
+
+
 def project_back(low: torch.Tensor, state: dict, proj_type: str, shape: tuple[int, int]) -> torch.Tensor:
-    """A low-rank update (same shape as the projected gradient) mapped back to `shape` (m, n), in fp32."""
+    """A low-rank update (same shape as the projected gradient) mapped back to `shape` (m, n), the whole
+    weight's, in fp32; under FSDP2 the result is the rank's rows (its row shard of the left projector)."""
     side = projection_side(shape, proj_type)
     if side == "right":
         return low @ state["galore_right"]

@@ -16,6 +16,14 @@ cramming's loop does (norms and biases not decayed; GaLore targets from `target_
 allow for (it clips the gradients after backward, finding none, and may accumulate): TrainerOptimizer
 refuses them, and an instance must not be passed through `optimizers=` either. They suit a loop that keeps
 the contract in cramming.optim.base.
+
+Trainer with FSDP (accelerate's FSDP plugin, FSDP2 or 1) is refused too. Under FSDP2 our optimizers keep
+per-rank states of plain tensors (quantized blocks that end at shard boundaries, GaLore's low-rank moments and
+projector pieces), which Trainer's FSDP checkpointing cannot save: it goes through
+torch.distributed.checkpoint's optimizer state dicts, which expect DTensors shaped like the parameters.
+FSDP1's flat parameters have no 2-D weights for GaLore. The supported routes: Trainer with DDP (a launch
+without an FSDP config), or cramming's own loop, `pretrain.py impl.distributed=fsdp2`, which saves these
+states per rank.
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ from torch import nn
 
 from cramming.errors import ConfigError
 from cramming.optim import build_optimizer
+from cramming.optim.base import is_sharded
 from cramming.optim.config import OptimConfig
 
 # the keyword arguments create_optimizer takes besides name, kernel and max_grad_norm
@@ -91,4 +100,29 @@ class TrainerOptimizer:
                 f"`{name.removesuffix('_layerwise')}` with Trainer, or the layerwise optimizer in your own "
                 "loop (its contract: cramming.optim.base)"
             )
+        why = fsdp_in_use(model)
+        if why:
+            raise ConfigError(
+                f"transformers Trainer with FSDP and our optimizers is not supported ({why}): Trainer saves the "
+                "optimizer through torch.distributed.checkpoint, and under FSDP our optimizers hold per-rank "
+                "states it cannot save (cramming.optim.library). Use Trainer with DDP (launch without an FSDP "
+                "config), or cramming's loop: pretrain.py impl.distributed=fsdp2"
+            )
         return create_optimizer(model, name, **kwargs)
+
+
+def fsdp_in_use(model: nn.Module) -> str | None:
+    """What shows that `model` is, or is about to be, sharded by FSDP under Trainer; None when nothing does.
+    Under FSDP2 Trainer builds the optimizer before accelerate shards the model, so accelerate's state,
+    set up when Trainer was made, is what tells."""
+    if any(is_sharded(p) for p in model.parameters()):
+        return "the model's parameters are FSDP2 shards"
+    if any(type(m).__name__ == "FullyShardedDataParallel" for m in model.modules()):
+        return "the model is wrapped in FSDP"
+    try:
+        from accelerate.state import AcceleratorState, is_initialized
+    except ImportError:
+        return None
+    if is_initialized() and getattr(AcceleratorState(), "fsdp_plugin", None) is not None:
+        return "accelerate is set up for FSDP: Trainer's `fsdp` arguments or an FSDP accelerate config"
+    return None

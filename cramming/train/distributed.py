@@ -1,7 +1,8 @@
 """Several processes, one per GPU, on one or more machines: `torchrun --nproc_per_node=N pretrain.py ...`.
 
 PyTorch's own engine does the work: a process group from torchrun's environment (nccl on CUDA, gloo on CPU),
-DistributedDataParallel by default, FSDP2 (`fully_shard`) with `impl.distributed=fsdp2`. A process not started
+DistributedDataParallel by default (a `*_layerwise` optimizer takes its place: cramming.optim.layerwise),
+FSDP2 (`fully_shard`) with `impl.distributed=fsdp2`. A process not started
 by torchrun (WORLD_SIZE unset or 1) makes no process group, and every helper here is then the identity: a
 single-process run computes exactly what it computed before.
 
@@ -17,8 +18,8 @@ What N processes compute is what one process computes with an N times larger mic
     time and on any rank's stop signal (`AgreedClock.agree`), so they stop after the same micro-batch and the
     schedule reads the same budget fraction everywhere.
 Only rank 0 logs (the others keep warnings), writes metrics, the resumable state and the final checkpoint;
-under FSDP2 the full state is gathered for them (the 8-/4-bit optimizers' per-rank shard states as each rank
-holds them: they resume with the same number of FSDP2 ranks). A resumed run reads the state file on every rank: with
+under FSDP2 the full state is gathered for them (our optimizers' per-rank shard states, low-bit and GaLore, as
+each rank holds them: they resume with the same number of FSDP2 ranks). A resumed run reads the state file on every rank: with
 several machines, base_dir must be on a shared file system.
 """
 
@@ -27,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime as dt
+import itertools
 import logging
 import os
 from collections.abc import Callable, Iterator
@@ -228,11 +230,13 @@ def _reshape_lifted(model: nn.Module, model_state: dict, optimizer_state: dict |
 
 # impl.distributed -> wrapper; DDP returns a wrapper module, fully_shard shards the model in place
 PARALLEL: dict[str, Callable[[nn.Module, torch.device], nn.Module]] = {"ddp": _ddp, "fsdp2": _fsdp2}
-# FSDP2 hands optimizers DTensor shards (dim 0). These update each rank's shard by itself: AdamW is
-# elementwise, and the 8-/4-bit forms quantize each rank's shard of a moment on its own (LeanOptimizer
-# ._step_param). GaLore projects whole matrices, and the layerwise forms step inside backward, before FSDP2's
-# reduce-scatter: both need DDP (or a single process) for now.
-FSDP2_OPTIMIZERS = ("adamw", "adamw_8bit", "adamw_4bit")
+# FSDP2 hands optimizers DTensor shards (dim 0), and every optimizer updates them, each rank its own rows
+# (LeanOptimizer._step_param): AdamW is elementwise, the 8-/4-bit forms quantize each rank's shard of a moment
+# on its own, GaLore gathers a weight's whole gradient on projector refreshes only, and Adafactor sums its
+# factored statistics over the ranks. The layerwise forms step inside backward, before FSDP2's
+# reduce-scatter, and are refused; under DDP mode they run without the DDP wrapper and average each gradient
+# over the ranks themselves (cramming.optim.layerwise).
+LAYERWISE_SUFFIX = "_layerwise"
 
 
 def prepare_model(model: nn.Module, ranks: Ranks, optim_name: str, dtype: torch.dtype) -> nn.Module:
@@ -240,12 +244,15 @@ def prepare_model(model: nn.Module, ranks: Ranks, optim_name: str, dtype: torch.
     sharded in place. Call before building the optimizer: FSDP2 replaces the parameters."""
     if not ranks.active:
         return model
-    if ranks.mode == "fsdp2" and optim_name not in FSDP2_OPTIMIZERS:
+    if ranks.mode == "fsdp2" and optim_name.endswith(LAYERWISE_SUFFIX):
         raise ConfigError(
-            f"impl.distributed=fsdp2 shards every tensor, which train.optim.name={optim_name} cannot update"
-            " (GaLore needs whole matrices; a layerwise update runs before the gradients are reduced); use"
-            f" impl.distributed=ddp, or train/optim={'/'.join(FSDP2_OPTIMIZERS)}"
+            f"impl.distributed=fsdp2 reduces each gradient after the backward hooks in which"
+            f" train.optim.name={optim_name} steps: use impl.distributed=ddp with it, or"
+            f" train/optim={optim_name.removesuffix(LAYERWISE_SUFFIX)} under fsdp2"
         )
+    if optim_name.endswith(LAYERWISE_SUFFIX):  # DDP mode: the optimizer reduces each gradient itself
+        _same_start(model)
+        return model
     if ranks.mode == "fsdp2" and dtype == torch.float16:
         # each rank would check only its own gradient shard for overflow, and the ranks could disagree
         raise ConfigError(
@@ -253,6 +260,20 @@ def prepare_model(model: nn.Module, ranks: Ranks, optim_name: str, dtype: torch.
             " (or fp32), or impl.distributed=ddp"
         )
     return PARALLEL[ranks.mode](model, ranks.device)
+
+
+def _same_start(model: nn.Module) -> None:
+    """Rank 0's parameters and buffers on every rank, as DDP's constructor makes them."""
+    with torch.no_grad():
+        for tensor in itertools.chain(model.parameters(), model.buffers()):
+            dist.broadcast(tensor, src=0)
+
+
+def layerwise_reduce_group(ranks: Ranks) -> dist.ProcessGroup | None:
+    """The group over which a layerwise optimizer averages each gradient in its hook, in place of DDP (which
+    prepare_model leaves out for it): all ranks under DDP mode; None for one process (and FSDP2, which
+    refuses layerwise optimizers)."""
+    return dist.group.WORLD if ranks.active and ranks.mode == "ddp" else None
 
 
 def grad_sync(step_model: nn.Module, ranks: Ranks, sync: bool) -> contextlib.AbstractContextManager:
@@ -263,6 +284,8 @@ def grad_sync(step_model: nn.Module, ranks: Ranks, sync: bool) -> contextlib.Abs
     module = unwrap(step_model)  # under torch.compile's wrapper
     if ranks.mode == "fsdp2":
         module.set_requires_gradient_sync(sync)
+        return contextlib.nullcontext()
+    if not hasattr(module, "no_sync"):  # no DDP wrapper: a layerwise optimizer reduces (TrainStep.microbatch)
         return contextlib.nullcontext()
     return contextlib.nullcontext() if sync else module.no_sync()
 
@@ -310,7 +333,8 @@ def _by_name(state: dict, names: list[str]) -> dict:
 def _holds_shard_state(optimizer: torch.optim.Optimizer, ranks: Ranks) -> bool:
     """Whether each rank's optimizer state is its own plain tensors (our optimizers under FSDP2), which
     torch.distributed.checkpoint's full state dict cannot gather: it gathers DTensors, and per-shard
-    quantization blocks and packed codes do not concatenate into the whole tensor's."""
+    quantization blocks, packed codes and GaLore's low-rank moments and projector pieces do not concatenate
+    into the whole tensor's."""
     return ranks.active and ranks.mode == "fsdp2" and isinstance(optimizer, LeanOptimizer)
 
 
@@ -337,8 +361,8 @@ def _check_shard_states(optimizer_state: dict, shard_state: bool, ranks: Ranks) 
         raise ConfigError(
             f"the saved optimizer state is {len(saved)} FSDP2 ranks' shards, and this job is"
             f" {ranks.world_size} process(es) with impl.distributed={ranks.mode}: resume with the same number"
-            " of processes and impl.distributed=fsdp2 (changing the world size of an 8-/4-bit state is not"
-            " supported yet)"
+            " of processes and impl.distributed=fsdp2 (changing the world size of an 8-/4-bit or GaLore state is"
+            " not supported yet)"
         )
     if saved is None and shard_state and optimizer_state.get("state"):
         raise ConfigError(

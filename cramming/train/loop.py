@@ -175,7 +175,7 @@ def set_up(
         device=ranks.device,
         model=model,
         step_model=step_model,
-        step=make_train_step(model, cfg, ranks, dtype, microbatch_size),
+        step=make_train_step(model, cfg, ranks, dtype),
         masker=masker,
         clock=budget,
         microbatch_size=microbatch_size,
@@ -230,13 +230,17 @@ def choose_microbatch_size(
 
 
 def make_train_step(
-    model: nn.Module, cfg: PretrainConfig, ranks: distributed.Ranks, dtype: torch.dtype, microbatch_size: int
+    model: nn.Module, cfg: PretrainConfig, ranks: distributed.Ranks, dtype: torch.dtype
 ) -> TrainStep:
     """The optimizer of train.optim inside the one training step (a loss scaler for fp16 only)."""
     # layerwise optimizers clip each gradient in their hooks; the others ignore max_grad_norm
-    optimizer = build_optimizer(model, cfg.train.optim, max_grad_norm=cfg.train.grad_clip)
+    optimizer = build_optimizer(
+        model,
+        cfg.train.optim,
+        max_grad_norm=cfg.train.grad_clip,
+        reduce_group=distributed.layerwise_reduce_group(ranks),
+    )
     train = cfg.train
-    most_accumulation = accumulation_steps(1.0, train.batch_size, microbatch_size * ranks.world_size, 0.0)
     log.info(
         "optimizer %s: %s",
         train.optim.name,
@@ -248,8 +252,6 @@ def make_train_step(
         device_type=ranks.device.type,
         dtype=dtype,
         grad_clip=train.grad_clip,
-        grad_accumulation=most_accumulation,
-        distributed=ranks.active,
     )
 
 
@@ -371,7 +373,8 @@ def run_update(run: Run) -> str | None:
     rng = rng_state()
     while done < accumulate and reason is None:
         # several ranks reduce gradients once per update: after its last micro-batch
-        with distributed.grad_sync(run.step_model, run.ranks, sync=done + 1 == accumulate):
+        last = done + 1 == accumulate
+        with distributed.grad_sync(run.step_model, run.ranks, sync=last), run.step.microbatch(last):
             loss, right, count = forward_backward(run, next(run.batches), 1.0 / accumulate)
         loss_sum += loss
         correct += right

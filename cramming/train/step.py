@@ -3,9 +3,10 @@ all train through `TrainStep`.
 
     step.begin(lr_factor)              the update's learning rate (before backward: a layerwise optimizer
                                        steps inside it)
-    with step.autocast():              forward in the compute dtype
-        loss = ...
-    step.backward(loss, scale)         scaled backward (fp16: the loss scaler), once per micro-batch
+    with step.microbatch(last):        with accumulation: whether this is the update's last micro-batch
+        with step.autocast():          forward in the compute dtype
+            loss = ...
+        step.backward(loss, scale)     scaled backward (fp16: the loss scaler), once per micro-batch
     step.apply(loss)                   the non-finite check, unscale, clip, optimizer step, zero-grad
 
 `apply` skips the update, leaving the weights and the optimizer state untouched, when the loss or the
@@ -19,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 
 import torch
@@ -52,22 +54,14 @@ class TrainStep:
         device_type: str,
         dtype: torch.dtype,
         grad_clip: float | None,
-        grad_accumulation: int = 1,
-        distributed: bool = False,
     ):
         """model: the plain module whose parameters the optimizer updates; dtype: the autocast dtype (fp32:
-        no autocast; fp16: with a loss scaler); grad_accumulation: the most micro-batches per update (checked
-        against what a layerwise optimizer supports)."""
+        no autocast; fp16: with a loss scaler)."""
         self.model, self.optimizer = model, optimizer
         self.device_type, self.dtype, self.grad_clip = device_type, dtype, grad_clip
         self.scaler = torch.amp.GradScaler(device_type, enabled=dtype == torch.float16)
         self.layerwise = bool(getattr(optimizer, "layerwise", False))
-        check_layerwise_loop(
-            optimizer,
-            grad_accumulation=grad_accumulation,
-            distributed=distributed,
-            grad_scaler=self.scaler.is_enabled(),
-        )
+        check_layerwise_loop(optimizer, grad_scaler=self.scaler.is_enabled())
         for group in optimizer.param_groups:
             group.setdefault("peak_lr", group["lr"])  # lr_factor multiplies this
         self.stats = StepStats()
@@ -76,6 +70,18 @@ class TrainStep:
         """Start an update at `lr_factor` times each group's peak rate."""
         for group in self.optimizer.param_groups:
             group["lr"] = group["peak_lr"] * lr_factor
+
+    @contextlib.contextmanager
+    def microbatch(self, last: bool) -> Iterator[None]:
+        """Around one micro-batch's forward and backward when an update accumulates several: a layerwise
+        optimizer steps in the backward of the `last` one only (the others add to the gradients)."""
+        if self.layerwise:
+            self.optimizer.accumulating = not last
+        try:
+            yield
+        finally:
+            if self.layerwise:
+                self.optimizer.accumulating = False
 
     def autocast(self) -> contextlib.AbstractContextManager:
         return torch.autocast(self.device_type, dtype=self.dtype, enabled=self.dtype != torch.float32)
