@@ -107,6 +107,7 @@ def test_every_eval_recipe_validates(recipe):
         assert (
             cfg.eval.group_by_length and cfg.eval.optim.lr == 1e-3 and cfg.eval.per_task["SST-2"].epochs == 1
         )
+        assert cfg.eval.head.pooler == "pair" and cfg.eval.head.dim == 1024  # glue-sane's head, pair-pooled
 
 
 # A path that names one machine's folders: absolute (POSIX or a Windows drive) or in someone's home.
