@@ -40,8 +40,8 @@ gradient is complete, and its gradient is freed at once, so full gradients are n
 
 from __future__ import annotations
 
-import functools
 import math
+import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -181,8 +181,7 @@ class LeanOptimizer(torch.optim.Optimizer):
             group_index = len(self.param_groups) - 1
             self._group_of.update({id(p): group_index for p in group["params"]})
             self._hooks += [
-                p.register_post_accumulate_grad_hook(functools.partial(self._layerwise_hook, group_index))
-                for p in group["params"]
+                p.register_post_accumulate_grad_hook(self._layerwise_hook) for p in group["params"]
             ]
 
     # --- what a subclass provides -------------------------------------------------------------------
@@ -358,7 +357,6 @@ class LeanOptimizer(torch.optim.Optimizer):
 
     @staticmethod
     def _refuse_distributed() -> None:
-        dist = torch.distributed
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             raise ConfigError(
                 "layerwise optimizers update inside gradient hooks, before a DDP wrapper's all-reduce: with "
@@ -367,7 +365,7 @@ class LeanOptimizer(torch.optim.Optimizer):
             )
 
     @torch.no_grad()
-    def _layerwise_hook(self, group_index: int, param: torch.Tensor) -> None:
+    def _layerwise_hook(self, param: torch.Tensor) -> None:
         if self.accumulating:  # a micro-batch before the update's last: its gradient adds up in param.grad
             return
         if id(param) in self._stepped:
@@ -432,8 +430,24 @@ class LeanOptimizer(torch.optim.Optimizer):
                 }
 
 
-def check_layerwise_loop(optimizer: torch.optim.Optimizer, *, grad_scaler: bool) -> None:
-    """Start-up check the loop calls once: raises ConfigError when a layerwise optimizer cannot do its job."""
+def check_layerwise_loop(
+    optimizer: torch.optim.Optimizer,
+    *,
+    grad_scaler: bool,
+    grad_accumulation: int | None = None,
+    distributed: bool | None = None,
+) -> None:
+    """Start-up check the loop calls once: raises ConfigError when a layerwise optimizer cannot do its job.
+    grad_accumulation and distributed are no longer checked (both work: see the module docstring); passing
+    them only warns."""
+    if grad_accumulation is not None or distributed is not None:
+        warnings.warn(
+            "check_layerwise_loop(grad_accumulation=, distributed=) is deprecated and ignored: layerwise "
+            "optimizers now accumulate (optimizer.accumulating) and run under DDP (reduce_group); pass "
+            "grad_scaler only",
+            DeprecationWarning,
+            stacklevel=2,
+        )
     if getattr(optimizer, "layerwise", False) and grad_scaler:
         raise ConfigError(
             "`*_layerwise` optimizers see the gradients before a GradScaler could unscale them: use bf16 or "
