@@ -17,25 +17,17 @@ import torch
 from tokenizers import Tokenizer
 
 from cramming.eval.backbone import Backbone
-
-
-def _padded(encodings: list, pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    longest = max(len(e.ids) for e in encodings)
-    ids = torch.full((len(encodings), longest), pad_id, dtype=torch.long)
-    types = torch.zeros_like(ids)
-    for row, e in enumerate(encodings):
-        ids[row, : len(e.ids)] = torch.tensor(e.ids)
-        types[row, : len(e.ids)] = torch.tensor(e.type_ids)
-    lengths = torch.tensor([len(e.ids) for e in encodings])
-    mask = torch.arange(longest)[None, :] < lengths[:, None]
-    return ids, types, mask
+from cramming.eval.finetune import Encoded, padded_batch
 
 
 def _segment_means(backbone: Backbone, encodings: list) -> tuple[torch.Tensor, torch.Tensor]:
     """(first segment's mean, second segment's mean; zeros where there is none), in fp32."""
-    ids, types, mask = _padded(encodings, backbone.pad_id)
     device = next(backbone.encoder.parameters()).device
-    hidden = backbone.encoder(ids.to(device), mask.to(device), types.to(device)).float().cpu()
+    data = Encoded([e.ids for e in encodings], [e.type_ids for e in encodings], np.zeros(len(encodings)))
+    batch = padded_batch(data, np.arange(len(encodings)), backbone.pad_id, device)  # fine-tuning's padding
+    ids, types, mask = batch["input_ids"], batch["token_type_ids"], batch["attention_mask"]
+    hidden = backbone.encoder(ids, mask, types).float().cpu()
+    types, mask = types.cpu(), mask.cpu()
     means = []
     for segment in (0, 1):
         weights = (mask & (types == segment)).float()[..., None]  # (batch, seq, 1)
