@@ -7,8 +7,13 @@ updates, time and held-out MLM / context-use figures. Give each folder a label:
         tiny-scratch=outputs/cpu-study-glue-tiny-scratch/<timestamp> ... --out results/cpu-study
 
 Prints markdown tables (GLUE dev scores per task: median over seeds, [min, max]; pretraining figures; time
-of every phase; pretrained-vs-scratch margins) and writes glue_vs_minutes.png under --out. Labels
+of every phase; pretrained-vs-scratch margins; the curve of each series: every point against the one before,
+beyond the range of the per-seed averages or not) and writes glue_vs_minutes.png under --out. Labels
 `<arch>-scratch` are the no-pretraining baselines of `<arch>-*`.
+
+Evaluation folders and checkpoints do not outlive a machine. `--keep DIR` writes each run's results, with its
+pretraining run card inside, to DIR/<label>.json; such a file is accepted in place of a folder, so the tables
+and the plot can be redrawn, and new points added to them, later.
 """
 
 from __future__ import annotations
@@ -46,7 +51,10 @@ def entry_scores(results: dict) -> dict[str, EntryScore]:
 
 
 def pretraining_card(results: dict) -> dict | None:
-    """The run card of the pretraining run an evaluation used (its checkpoint folder's parent)."""
+    """The run card of the pretraining run an evaluation used (its checkpoint folder's parent, or the copy
+    --keep stored with the results)."""
+    if "pretraining_card" in results:
+        return results["pretraining_card"]
     checkpoint = Path(results.get("checkpoint", ""))
     for folder in (checkpoint, checkpoint.parent):
         if (folder / "run_card.json").exists():
@@ -59,6 +67,48 @@ def average(scores: dict[str, EntryScore]) -> float | None:
     if not all(t in scores for t in TASKS):
         return None
     return 100 * glue_average({t: scores[t] for t in TASKS})[0]
+
+
+def seed_averages(results: dict) -> list[float]:
+    """The five-task average ×100 of each fine-tuning seed on its own; [] when a seed misses a task."""
+    seeds = sorted({run["seed"] for run in results["runs"]})
+    out = []
+    for seed in seeds:
+        scores = entry_scores({"runs": [run for run in results["runs"] if run["seed"] == seed]})
+        avg = average(scores)
+        if avg is None:
+            return []
+        out.append(avg)
+    return out
+
+
+def curve_rows(runs: dict) -> list[str]:
+    """Each series (label prefix) in order of pretraining updates: its average, the range of its per-seed
+    averages, and whether it is above the point before by more than both ranges (this point's lowest seed
+    above the previous point's highest)."""
+    series: dict[str, list[tuple[int, str, float, list[float], float]]] = {}
+    for label, (results, scores) in runs.items():
+        avg, per_seed = average(scores), seed_averages(results)
+        if avg is None or not per_seed:
+            continue
+        pre = results.get("pretraining") or {}
+        point = (pre.get("updates", 0), label, avg, per_seed, 60 * pre.get("elapsed_h", 0.0))
+        series.setdefault(label.split("-")[0], []).append(point)
+    rows = []
+    for points in series.values():
+        points.sort(key=lambda point: point[0])
+        for i, (updates, label, avg, per_seed, minutes) in enumerate(points):
+            if i == 0:
+                verdict = "— (first point)"
+            elif len(per_seed) < 2 or len(points[i - 1][3]) < 2:
+                verdict = "— (one seed: no spread to compare with)"
+            else:
+                verdict = "yes" if min(per_seed) > max(points[i - 1][3]) else "no"
+            rows.append(
+                f"| {label} | {minutes:.1f} | {updates} | {avg:.1f} | [{min(per_seed):.1f}, {max(per_seed):.1f}]"
+                f" | {verdict} |"
+            )
+    return rows
 
 
 def cell(score: EntryScore | None) -> str:
@@ -75,6 +125,12 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("runs", nargs="+", help="label=evaluation folder")
     parser.add_argument("--out", type=Path, default=None, help="folder for glue_vs_minutes.png")
+    parser.add_argument(
+        "--keep",
+        type=Path,
+        default=None,
+        help="folder to store each run's results (and run card) as <label>.json",
+    )
     parser.add_argument(
         "--glue-dir", help="with a local GLUE copy: the pair probe of each run's checkpoint (STS-B dev pairs)"
     )
@@ -153,6 +209,15 @@ def main(argv: list[str] | None = None) -> None:
             else:
                 verdict = "yes" if margin > spread else "no"
             margins.append(f"| {label} | {task} | {margin:+.1f} | {spread:.1f} | {verdict} |")
+    curve = curve_rows(runs)
+    if curve:
+        print(
+            "\n| model | pretraining min | updates | average | per-seed averages [min, max] |"
+            " above the point before, beyond both ranges |"
+        )
+        print("|---|---|---|---|---|---|")
+        print("\n".join(curve))
+
     if margins:
         print(
             "\n| model | task | median - scratch median | larger seed spread (max - min) | beats scratch by more |"
@@ -164,6 +229,20 @@ def main(argv: list[str] | None = None) -> None:
         print_pair_probes(runs, args.glue_dir)
     if args.out is not None:
         plot(runs, args.out)
+    if args.keep is not None:
+        keep(runs, args.keep)
+
+
+def keep(runs: dict, folder: Path) -> None:
+    """Each run's results with its pretraining run card inside, as folder/<label>.json."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for label, (results, _) in runs.items():
+        stored = dict(results)
+        card = pretraining_card(results)
+        if card is not None:
+            stored["pretraining_card"] = card
+        (folder / f"{label}.json").write_text(json.dumps(stored, indent=1) + "\n")
+    print(f"\nkept: {', '.join(f'{folder / label}.json' for label in runs)}")
 
 
 def print_pair_probes(runs: dict, glue_dir: str) -> None:
@@ -190,14 +269,17 @@ def print_pair_probes(runs: dict, glue_dir: str) -> None:
 def plot(runs: dict, out: Path) -> None:
     from matplotlib.figure import Figure
 
-    by_arch: dict[str, list[tuple[float, float, float]]] = {}
+    by_arch: dict[str, list[tuple[float, float, float, float, float]]] = {}
     for label, (results, scores) in runs.items():
         avg = average(scores)
         if avg is None:
             continue
         pre = results.get("pretraining") or {}
         minutes, updates = 60 * pre.get("elapsed_h", 0.0), pre.get("updates", 0)
-        by_arch.setdefault(label.split("-")[0], []).append((minutes, updates, avg))
+        per_seed = seed_averages(results) or [avg]
+        by_arch.setdefault(label.split("-")[0], []).append(
+            (minutes, updates, avg, min(per_seed), max(per_seed))
+        )
     if not by_arch:
         return
     fig = Figure(figsize=(9, 3.5))
@@ -208,7 +290,10 @@ def plot(runs: dict, out: Path) -> None:
         for arch, points in sorted(by_arch.items()):
             points.sort(key=lambda point: point[column])
             xs, ys = [point[column] for point in points], [point[2] for point in points]
-            ax.plot(xs, ys, marker="o", label=f"{arch} (ours, dev)")
+            # bars: the range of the per-seed averages
+            below = [point[2] - point[3] for point in points]
+            above = [point[4] - point[2] for point in points]
+            ax.errorbar(xs, ys, yerr=[below, above], marker="o", capsize=3, label=f"{arch} (ours, dev)")
         for color, (name, figures) in zip(("C6", "C7"), TURC.items(), strict=True):
             mean = np.mean([figures[t] for t in TASKS])
             ax.axhline(mean, color=color, linestyle="--", linewidth=1, label=f"{name} (test)")

@@ -55,3 +55,29 @@ def test_one_seed_has_no_spread_to_judge_by(tmp_path, capsys):
     load_script().main([f"mini-scratch={scratch}", f"mini-60min={pretrained}"])
     out = capsys.readouterr().out
     assert "one seed: no spread" in out and "| yes |" not in out
+
+
+def test_the_curve_says_whether_each_point_clears_the_seed_range_of_the_one_before(tmp_path, capsys):
+    # per-seed averages: scratch 50, 51, 52; 15 min 53, 54, 55 (clears 52); 60 min 54, 56, 57 (54 < 55: not)
+    def scores(values):
+        return {task: values for task in METRIC}
+
+    folders = {
+        "tiny-scratch": write_eval(tmp_path / "s", scores([0.50, 0.51, 0.52]), 0.0),
+        "tiny-15min": write_eval(tmp_path / "a", scores([0.53, 0.54, 0.55]), 15.0),
+        "tiny-60min": write_eval(tmp_path / "b", scores([0.54, 0.56, 0.57]), 60.0),
+    }
+    for label, updates in (("tiny-15min", 100), ("tiny-60min", 400)):
+        path = folders[label] / "glue_results.json"
+        results = json.loads(path.read_text())
+        results["pretraining"]["updates"] = updates
+        path.write_text(json.dumps(results))
+    kept = tmp_path / "kept"
+    load_script().main([f"{label}={folder}" for label, folder in folders.items()] + ["--keep", str(kept)])
+    first = capsys.readouterr().out
+    assert "| tiny-15min | 15.0 | 100 | 54.0 | [53.0, 55.0] | yes |" in first
+    assert "| tiny-60min | 60.0 | 400 | 56.0 | [54.0, 57.0] | no |" in first
+    # the kept files stand in for the folders: the same tables again
+    load_script().main([f"{label}={kept / label}.json" for label in folders])
+    again = capsys.readouterr().out
+    assert again.split("\n| model | data s")[0] == first.split("\n| model | data s")[0]
