@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -27,7 +28,14 @@ from test_train import make_config, read_metrics, run_dir, synthetic_data
 from cramming.errors import ConfigError
 from cramming.model import build_model
 from cramming.model import checkpoint as model_checkpoint
-from cramming.optim import build_optimizer, format_state_report, optimizer_state_report
+from cramming.optim import (
+    AdamW,
+    LeanOptimizer,
+    build_optimizer,
+    format_state_report,
+    optimizer_state_report,
+    reshard,
+)
 from cramming.train import checkpoint, distributed, loop
 from cramming.train.batches import RowStream, numbered
 from cramming.train.mlm import MLMMasker
@@ -429,20 +437,49 @@ def test_the_state_line_says_ddp_replicates_the_state():
     assert "ranks" not in format_state_report(report)
 
 
-def test_a_shard_state_resumes_only_with_as_many_fsdp2_ranks():
-    fsdp2 = distributed.Ranks(world_size=2, mode="fsdp2")
-    shards = {"param_groups": [], "rank_states": [{}, {}]}
-    distributed._check_shard_states(shards, True, fsdp2)  # the same job shape: loads
-    for ranks, shard_state in (
-        (distributed.Ranks(world_size=4, mode="fsdp2"), True),
-        (distributed.Ranks(), False),
-    ):
-        with pytest.raises(ConfigError, match="same number of processes"):
-            distributed._check_shard_states(shards, shard_state, ranks)
-    whole = {"param_groups": [], "state": {0: {"step": 1, "m_codes": torch.zeros(4, dtype=torch.uint8)}}}
-    with pytest.raises(ConfigError, match="whole tensors"):
-        distributed._check_shard_states(whole, True, fsdp2)
-    distributed._check_shard_states(whole, False, distributed.Ranks())  # one process: loads as before
+def test_a_shard_state_resumes_with_any_ranks_and_mode(caplog):
+    """The conversions themselves are tested in tests/test_optim_reshard.py; here, which one a job takes."""
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 3))  # (64, 64): 8-bit moments
+
+    def optimizer() -> LeanOptimizer:
+        return AdamW(model.parameters(), lr=1e-2, optim_bits=8, min_8bit_size=4096)
+
+    trained = optimizer()
+    for _ in range(2):
+        model(torch.randn(5, 64)).sum().backward()
+        trained.step()
+    whole = trained.state_dict()
+    names = distributed._param_names(model, trained)
+    pieces = [reshard.cut_whole_state(trained, whole["state"], r, 2, names)[0] for r in range(2)]
+    saved = {"param_groups": whole["param_groups"], "rank_states": pieces}
+
+    def here(state: dict, ranks: distributed.Ranks, opt: torch.optim.Optimizer | None = None) -> dict:
+        return distributed._optimizer_state_here(model, opt or optimizer(), state, ranks)
+
+    fsdp2 = distributed.Ranks(rank=1, world_size=2, mode="fsdp2")
+    assert here(saved, fsdp2)["state"] is pieces[1]  # the same job shape: as saved
+    assert here(whole, distributed.Ranks()) is whole  # whole tensors for whole tensors: as before
+    with caplog.at_level(logging.INFO, logger="cramming"):
+        for ranks in (distributed.Ranks(), distributed.Ranks(rank=1, world_size=2, mode="ddp")):
+            merged = here(saved, ranks)["state"]  # 2 FSDP2 ranks -> whole tensors: exact (whole blocks)
+            for index, entries in whole["state"].items():
+                for key, value in entries.items():
+                    assert (
+                        torch.equal(merged[index][key], value)
+                        if torch.is_tensor(value)
+                        else merged[index][key] == value
+                    )
+    assert "2 FSDP2 ranks' shards -> whole tensors; 4 of 4 parameters' states moved exactly" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="cramming"):
+        cut = here(whole, fsdp2)["state"]  # whole tensors -> 2 FSDP2 ranks
+        four = here(saved, distributed.Ranks(rank=3, world_size=4, mode="fsdp2"))["state"]  # 2 -> 4 ranks
+    assert torch.equal(cut[0]["m_codes"], pieces[1][0]["m_codes"])
+    assert four[0]["m_codes"].numel() == 16 * 64 and four[1]["exp_avg"].shape == (16,)
+    assert "-> 2 FSDP2 ranks" in caplog.text and "-> 4 FSDP2 ranks" in caplog.text
+    # the shards of our optimizer's state do not fit another optimizer (torch's AdamW): refused, named
+    with pytest.raises(ConfigError, match="train.optim"):
+        here(saved, distributed.Ranks(), torch.optim.AdamW(model.parameters()))
 
 
 def test_impl_distributed_is_checked(tmp_path):

@@ -83,10 +83,7 @@ class RowShard:
 
     def piece(self, tensor: torch.Tensor) -> torch.Tensor:
         """This rank's piece of `tensor` (the same on every rank), flattened: a copy of piece_numel elements."""
-        size = self.piece_numel(tensor.numel())
-        start = dist.get_rank(self.group) * size
-        flat = tensor.reshape(-1)[start : start + size]
-        return torch.cat([flat, flat.new_zeros(size - flat.numel())])
+        return flat_piece(tensor, dist.get_rank(self.group), dist.get_world_size(self.group))
 
     def whole(self, piece: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
         """The tensor of `shape` whose pieces the ranks hold (all-gather: collective)."""
@@ -105,6 +102,22 @@ class RowShard:
         return tensor
 
 
+def flat_piece(tensor: torch.Tensor, index: int, count: int) -> torch.Tensor:
+    """Piece `index` of `count` equal pieces of `tensor` flattened (ceil(numel / count) elements, the last
+    ones zero-padded): a copy."""
+    size = -(-tensor.numel() // count)
+    flat = tensor.reshape(-1)[index * size : (index + 1) * size]
+    return torch.cat([flat, flat.new_zeros(size - flat.numel())])
+
+
+def chunk_rows(whole_rows: int, count: int) -> list[tuple[int, int]]:
+    """(start, rows) of each of `count` ranks' torch.chunk pieces of `whole_rows` rows, as FSDP2's Shard(0)
+    cuts them: ceil(whole_rows / count) rows each, the last ones fewer or none."""
+    chunk = -(-whole_rows // count)
+    starts = [min(i * chunk, whole_rows) for i in range(count)]
+    return [(start, min(chunk, whole_rows - start)) for start in starts]
+
+
 def row_shard(param: torch.Tensor) -> RowShard | None:
     """Which rows of `param` this rank holds: None for a plain tensor; FSDP2's DTensor is sharded on dim 0
     over a 1-D mesh in torch.chunk's pieces (ceil(m / ranks) rows each, the last ones fewer or none)."""
@@ -118,10 +131,10 @@ def row_shard(param: torch.Tensor) -> RowShard | None:
             f"our optimizers update FSDP2 shards of dim 0 on one mesh dimension, and got placements "
             f"{tuple(param.placements)} on a {mesh.ndim}-D mesh: use fully_shard on a 1-D mesh (no HSDP)"
         )
-    whole_rows, chunk = param.shape[0], -(-param.shape[0] // mesh.size())
-    start = min(mesh.get_local_rank() * chunk, whole_rows)
+    whole_rows = param.shape[0]
+    start, expected = chunk_rows(whole_rows, mesh.size())[mesh.get_local_rank()]
     rows = param.to_local().shape[0]
-    if rows != min(chunk, whole_rows - start):
+    if rows != expected:
         raise ConfigError(f"an FSDP2 shard of {rows} rows at row {start} is not torch.chunk's: unsupported")
     return RowShard(mesh.get_group(), whole_rows, start, rows)
 

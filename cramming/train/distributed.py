@@ -42,6 +42,7 @@ from cramming.budget import BudgetClock
 from cramming.errors import ConfigError
 from cramming.impl import ImplConfig
 from cramming.model.checkpoint import unwrap
+from cramming.optim import reshard
 from cramming.optim.base import LeanOptimizer
 from cramming.utils import launched_by_torchrun
 
@@ -353,23 +354,57 @@ def _gathered_shard_states(optimizer: torch.optim.Optimizer, ranks: Ranks) -> di
     return {"param_groups": own["param_groups"], "rank_states": gathered}
 
 
-def _check_shard_states(optimizer_state: dict, shard_state: bool, ranks: Ranks) -> None:
-    """Refuse a saved optimizer state this job cannot load exactly: per-rank shard states for another
-    number of ranks or another mode, or a whole-tensor quantized state for our optimizers under FSDP2."""
+def _check_shard_states(optimizer_state: dict, lean: bool) -> None:
+    """Refuse a saved optimizer state that cannot become this optimizer's: FSDP2 ranks' shard states (ours)
+    for an optimizer that is not ours."""
     saved = optimizer_state.get("rank_states")
-    if saved is not None and not (shard_state and len(saved) == ranks.world_size):
+    if saved is not None and not lean:
         raise ConfigError(
-            f"the saved optimizer state is {len(saved)} FSDP2 ranks' shards, and this job is"
-            f" {ranks.world_size} process(es) with impl.distributed={ranks.mode}: resume with the same number"
-            " of processes and impl.distributed=fsdp2 (changing the world size of an 8-/4-bit or GaLore state is"
-            " not supported yet)"
+            f"the saved optimizer state is {len(saved)} FSDP2 ranks' shards of cramming's own optimizer"
+            " (8-/4-bit or GaLore), and this run's optimizer is another one: resume with the train.optim that"
+            " saved it, or start the optimizer state afresh"
         )
-    if saved is None and shard_state and optimizer_state.get("state"):
-        raise ConfigError(
-            "the saved optimizer state holds whole tensors (a single process or DDP), and under"
-            " impl.distributed=fsdp2 this optimizer holds per-rank shards: resume with impl.distributed=ddp"
-            " or the number of processes that saved it"
-        )
+
+
+def _optimizer_state_here(
+    model: nn.Module, optimizer: torch.optim.Optimizer, optimizer_state: dict, ranks: Ranks
+) -> dict:
+    """The saved optimizer state in this job's layout. Our optimizers hold whole tensors in one process or
+    under DDP, and per-rank shard states under FSDP2: a state saved in the other layout, or by another number
+    of FSDP2 ranks, is converted (cramming.optim.reshard: exact, but for quantized moments whose blocks the
+    new layout cuts elsewhere, re-quantized and logged). The same number of FSDP2 ranks loads as saved."""
+    lean = isinstance(optimizer, LeanOptimizer)
+    _check_shard_states(optimizer_state, lean)
+    rank_states = optimizer_state.get("rank_states")
+    shard_state = _holds_shard_state(optimizer, ranks)
+    groups = optimizer_state["param_groups"]
+    if rank_states is None and not (shard_state and optimizer_state.get("state")):
+        return optimizer_state  # whole tensors for whole tensors (or nothing to cut)
+    if rank_states is not None and shard_state and len(rank_states) == ranks.world_size:
+        return {"state": rank_states[ranks.rank], "param_groups": groups}
+    names = _param_names(model, optimizer)
+    requantized = {}
+    state = optimizer_state.get("state", {})
+    if rank_states is not None:
+        state, requantized = reshard.merge_rank_states(optimizer, rank_states, names)
+    if shard_state:
+        state, cut = reshard.cut_whole_state(optimizer, state, ranks.rank, ranks.world_size, names)
+        requantized = {
+            name: sorted({*requantized.get(name, ()), *cut.get(name, ())}) for name in {*requantized, *cut}
+        }
+    source = "whole tensors" if rank_states is None else f"{len(rank_states)} FSDP2 ranks' shards"
+    here = f"{ranks.world_size} FSDP2 ranks" if shard_state else "whole tensors"
+    moved = ", ".join(f"{name} ({'+'.join(moments)})" for name, moments in sorted(requantized.items()))
+    log.info(
+        "optimizer state: %s -> %s; %d of %d parameters' states moved exactly, the others' moments"
+        " re-quantized in the new blocks (each value to its nearest code: at most half a code step)%s",
+        source,
+        here,
+        len(state) - len(requantized),
+        len(state),
+        f": {moved}" if moved else "",
+    )
+    return {"state": state, "param_groups": groups}
 
 
 def full_state(model: nn.Module, optimizer: torch.optim.Optimizer, ranks: Ranks) -> tuple[dict, dict]:
@@ -401,7 +436,7 @@ def load_full_state(
 ) -> None:
     """The inverse of full_state; every rank passes the whole saved state."""
     shard_state = _holds_shard_state(optimizer, ranks)
-    _check_shard_states(optimizer_state, shard_state, ranks)
+    optimizer_state = _optimizer_state_here(model, optimizer, optimizer_state, ranks)
     if not (ranks.active and ranks.mode == "fsdp2"):
         model.load_state_dict(model_state)
         optimizer.load_state_dict(optimizer_state)
@@ -412,10 +447,7 @@ def load_full_state(
     if shard_state:
         _reshape_lifted(model, model_state, None, lift=True)
         set_model_state_dict(model, model_state, options=_fsdp2_options())
-        rank_states = optimizer_state.get("rank_states", [{}] * ranks.world_size)
-        optimizer.load_state_dict(
-            {"state": rank_states[ranks.rank], "param_groups": optimizer_state["param_groups"]}
-        )
+        optimizer.load_state_dict(optimizer_state)
         return
     named = _by_name(optimizer_state, _param_names(model, optimizer))
     _reshape_lifted(model, model_state, named, lift=True)
