@@ -19,8 +19,10 @@ What N processes compute is what one process computes with an N times larger mic
     schedule reads the same budget fraction everywhere.
 Only rank 0 logs (the others keep warnings), writes metrics, the resumable state and the final checkpoint;
 under FSDP2 the full state is gathered for them (our optimizers' per-rank shard states, low-bit and GaLore, as
-each rank holds them: they resume with the same number of FSDP2 ranks). A resumed run reads the state file on every rank: with
-several machines, base_dir must be on a shared file system.
+each rank holds them). A resumed run reads the state file on every rank (with several machines, base_dir must
+be on a shared file system) and loads it in its own layout: the same number of FSDP2 ranks as saved, our
+optimizers' shard states as they are; any other number of ranks, DDP or one process, converted
+(cramming.optim.reshard: exact, but for quantized blocks that the new layout cuts elsewhere).
 """
 
 from __future__ import annotations
@@ -334,15 +336,16 @@ def _by_name(state: dict, names: list[str]) -> dict:
 def _holds_shard_state(optimizer: torch.optim.Optimizer, ranks: Ranks) -> bool:
     """Whether each rank's optimizer state is its own plain tensors (our optimizers under FSDP2), which
     torch.distributed.checkpoint's full state dict cannot gather: it gathers DTensors, and per-shard
-    quantization blocks, packed codes and GaLore's low-rank moments and projector pieces do not concatenate
-    into the whole tensor's."""
+    quantization blocks, packed codes and GaLore's projector pieces need our own conversion
+    (cramming.optim.reshard) to become the whole tensor's."""
     return ranks.active and ranks.mode == "fsdp2" and isinstance(optimizer, LeanOptimizer)
 
 
 def _gathered_shard_states(optimizer: torch.optim.Optimizer, ranks: Ranks) -> dict:
     """Every rank's optimizer state dict (on the CPU), gathered to rank 0 as {"param_groups": ...,
     "rank_states": [rank 0's "state", rank 1's, ...]}; {} on the other ranks. Collective. The codes and
-    scales are kept as each rank holds them, so the same number of ranks resumes them exactly."""
+    scales are kept as each rank holds them, so the same number of ranks resumes them exactly (and any other
+    layout converts them when it loads them: _optimizer_state_here)."""
     own = optimizer.state_dict()
     state = {
         i: {k: v.cpu() if torch.is_tensor(v) else v for k, v in s.items()} for i, s in own["state"].items()
@@ -410,8 +413,8 @@ def _optimizer_state_here(
 def full_state(model: nn.Module, optimizer: torch.optim.Optimizer, ranks: Ranks) -> tuple[dict, dict]:
     """Model and optimizer state dicts as one process has them (plain keys, whole tensors, optimizer state by
     parameter index), so a state saved by any number of ranks resumes on any other. Collective under FSDP2,
-    where the ranks other than 0 get empty dicts. Our optimizers under FSDP2 keep per-rank shard states
-    (see _gathered_shard_states), which resume with the same number of ranks only."""
+    where the ranks other than 0 get empty dicts. Our optimizers under FSDP2 save their per-rank shard states
+    as the ranks hold them (see _gathered_shard_states); load_full_state converts them where needed."""
     if not (ranks.active and ranks.mode == "fsdp2"):
         return model.state_dict(), optimizer.state_dict()
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
