@@ -53,6 +53,7 @@ from cramming.optim.lowbit import (
 from cramming.optim.quant import (
     QBLOCK,
     QBLOCK_4BIT,
+    QuantMap,
     dequantize_blockwise,
     first_moment_map,
     quantize_blockwise,
@@ -115,11 +116,14 @@ def _aligned(layout: Layout, block: int) -> bool:
 
 
 @functools.cache
-def _maps(v_map: str):
-    """(8-bit first-moment map, 8-bit second-moment map) for an 8-bit `v_map`, or Maps4bit for 4 bits."""
-    if v_map == RANK1_DYNAMIC4:
-        return Maps4bit.build("cpu")
+def _maps_8bit(v_map: str) -> tuple[QuantMap, QuantMap]:
+    """The 8-bit (first-moment, second-moment) maps of a state whose `v_map` is that, built once."""
     return first_moment_map(8, "cpu"), second_moment_map(v_map, "cpu")
+
+
+@functools.cache
+def _maps_4bit() -> Maps4bit:
+    return Maps4bit.build("cpu")
 
 
 # ---------------------------------------------------------------------------------------- pieces -> whole
@@ -168,7 +172,7 @@ def _merge_8bit(pieces: list[dict], layout: Layout, whole: dict) -> list[str]:
         for key in ("m_codes", "m_absmax", "v_codes", "v_absmax"):
             whole[key] = torch.cat([p[key] for p in pieces])
         return []
-    for name, qmap in zip(("m", "v"), _maps(saved_format(pieces[0])), strict=True):
+    for name, qmap in zip(("m", "v"), _maps_8bit(saved_format(pieces[0])), strict=True):
         values = torch.cat(
             [dequantize_blockwise(p[f"{name}_codes"], p[f"{name}_absmax"], qmap) for p in pieces]
         )
@@ -177,7 +181,7 @@ def _merge_8bit(pieces: list[dict], layout: Layout, whole: dict) -> list[str]:
 
 
 def _merge_4bit(pieces: list[dict], layout: Layout, whole: dict) -> list[str]:
-    maps = _maps(RANK1_DYNAMIC4)
+    maps = _maps_4bit()
     aligned = _aligned(layout, QBLOCK_4BIT)  # then every piece but the last holds an even count: whole bytes
     shape, m_format = layout.moment_shape, saved_first_moment_format(pieces[0])
     decoded = [decode_4bit(p, layout.moment_piece_shape(r), maps) for r, p in enumerate(pieces)]
@@ -238,7 +242,7 @@ def _cut_8bit(whole: dict, layout: Layout, rank: int, piece: dict) -> list[str]:
             piece[f"{name}_codes"] = whole[f"{name}_codes"][first : first + numel].clone()
             piece[f"{name}_absmax"] = whole[f"{name}_absmax"][blocks].clone()
         return []
-    for name, qmap in zip(("m", "v"), _maps(saved_format(whole)), strict=True):
+    for name, qmap in zip(("m", "v"), _maps_8bit(saved_format(whole)), strict=True):
         values = dequantize_blockwise(whole[f"{name}_codes"], whole[f"{name}_absmax"], qmap)
         piece[f"{name}_codes"], piece[f"{name}_absmax"] = quantize_blockwise(
             values[first : first + numel], qmap
@@ -252,7 +256,7 @@ def _slice_packed(packed: torch.Tensor, numel: int, first: int, count: int) -> t
 
 
 def _cut_4bit(whole: dict, layout: Layout, rank: int, piece: dict) -> list[str]:
-    maps = _maps(RANK1_DYNAMIC4)
+    maps = _maps_4bit()
     shape, piece_shape = layout.moment_shape, layout.moment_piece_shape(rank)
     first, numel = layout.offsets()[rank]
     n, m_format = math.prod(shape), saved_first_moment_format(whole)
