@@ -218,11 +218,9 @@ def test_rank_zero_writes_plain_checkpoints_and_one_metrics_record_per_update(la
 
 
 @pytest.mark.slow
-def test_layerwise_and_unshardable_optimizers_are_refused(launched):
+def test_fp16_under_fsdp2_and_a_batch_the_ranks_cannot_share_are_refused(launched):
     _, ranks = launched
     for record in ranks:
-        assert "impl.distributed=ddp" in record["fsdp2_layerwise_error"]
-        assert "train/optim=galore_adamw_8bit under fsdp2" in record["fsdp2_layerwise_error"]
         assert "impl.precision=bf16" in record["fsdp2_fp16_error"]
         # the batch is global: 8 rows cannot be 2 ranks' micro-batches of 8, and is refused, not trained as 16
         assert (
@@ -672,25 +670,28 @@ def test_each_rank_holds_a_sharded_galore_state(launched_galore, tmp_path):
     assert max(shares.values()) <= 0.6, shares
 
 
-# ------------------------------------------------------------- layerwise optimizers under DDP (scenario layerwise)
+# ---------------------------------------------------- layerwise optimizers under DDP and FSDP2 (scenario layerwise)
 
 
 @pytest.fixture(scope="module")
 def launched_layerwise(tmp_path_factory) -> list[dict]:
-    """One launch of the worker's `layerwise` scenario: layerwise optimizers under DDP mode."""
+    """One launch of the worker's `layerwise` scenario: layerwise optimizers under DDP mode and FSDP2."""
     return torchrun(tmp_path_factory.mktemp("torchrun-layerwise"), "layerwise")
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("optim", ["adamw_layerwise", "galore_adamw_layerwise", "adamw_8bit_layerwise"])
-def test_layerwise_under_ddp_matches_one_process_with_accumulation(launched_layerwise, tmp_path, optim):
-    steps = launched_layerwise[0][f"ddp_{optim}"]["progress"]
-    # 50 updates of 2 global micro-batches (2 ranks x 8 rows): the hooks step on the second only
-    assert (steps["updates"], steps["microbatches"]) == (50, 100)
-    for record in launched_layerwise:  # the ranks agree exactly after every update
-        run = record[f"ddp_{optim}"]
-        assert run["reason"] == "steps" and run["differences"] == [0.0] * 50, run["differences"]
-    ours = final_weights(launched_layerwise[0][f"ddp_{optim}"]["checkpoint"])
+def test_layerwise_under_ddp_and_fsdp2_matches_one_process_with_accumulation(
+    launched_layerwise, tmp_path, optim
+):
+    for mode in MODES:
+        steps = launched_layerwise[0][f"{mode}_{optim}"]["progress"]
+        # 50 updates of 2 global micro-batches (2 ranks x 8 rows): the hooks step on the second only
+        assert (steps["updates"], steps["microbatches"]) == (50, 100)
+        for record in launched_layerwise:  # the ranks agree exactly after every update
+            run = record[f"{mode}_{optim}"]
+            assert run["reason"] == "steps" and run["differences"] == [0.0] * 50, (mode, run["differences"])
+    runs = {mode: final_weights(launched_layerwise[0][f"{mode}_{optim}"]["checkpoint"]) for mode in MODES}
     overrides = GALORE_SETTINGS if optim.startswith("galore") else ()
     single = one_process_run(tmp_path, optim, 50, *overrides)  # micro-batch 16, 2 per update, layerwise
     initial = initial_weights(tmp_path)
@@ -699,13 +700,21 @@ def test_layerwise_under_ddp_matches_one_process_with_accumulation(launched_laye
     # both runs, but a gradient that differs by rounding can land on the other side of a code boundary, and
     # from there the two runs are two quantized approximations of the same fp32 trajectory: their distance is
     # bounded by twice one process's drift from fp32 (the FSDP2 low-bit test's bound; measured 2.3e-3 against
-    # 1e-3 of the move on the attention weight at 50 updates, so rounding alone is not the bound).
+    # 1e-3 of the move on the attention weight at 50 updates, so rounding alone is not the bound). Under FSDP2
+    # each rank steps its shard in the hook FSDP2 runs after the reduce-scatter, clipping with the whole
+    # gradient's norm; the 8-bit blocks are each shard's (the FSDP2 low-bit test's bound again).
     fp32 = one_process_run(tmp_path, "adamw_layerwise", 50) if "bit" in optim else None
-    for key, value in single.items():
-        moved = (value - initial[key]).norm()
-        difference = (ours[key] - value).norm()
-        bound = 1e-3 * moved + 1e-7 + (0 if fp32 is None else 2 * (value - fp32[key]).norm())
-        assert difference <= bound, f"{optim} {key}: {difference:.3e} > {bound:.3e} (moved {moved:.3e})"
+    for mode, ours in runs.items():
+        worst = 0.0
+        for key, value in single.items():
+            moved = (value - initial[key]).norm()
+            difference = (ours[key] - value).norm()
+            bound = 1e-3 * moved + 1e-7 + (0 if fp32 is None else 2 * (value - fp32[key]).norm())
+            worst = max(worst, difference / bound)
+            assert difference <= bound, (
+                f"{optim} {mode} {key}: {difference:.3e} > {bound:.3e} (moved {moved:.3e})"
+            )
+        print(f"{optim} {mode}: at most {worst:.2f} of the bound")
 
 
 @pytest.mark.slow

@@ -2,7 +2,8 @@
 
 PyTorch's own engine does the work: a process group from torchrun's environment (nccl on CUDA, gloo on CPU),
 DistributedDataParallel by default (a `*_layerwise` optimizer takes its place: cramming.optim.layerwise),
-FSDP2 (`fully_shard`) with `impl.distributed=fsdp2`. A process not started
+FSDP2 (`fully_shard`) with `impl.distributed=fsdp2` (a `*_layerwise` optimizer steps each parameter's shard
+in the hook that FSDP2 runs after its reduce-scatter). A process not started
 by torchrun (WORLD_SIZE unset or 1) makes no process group, and every helper here is then the identity: a
 single-process run computes exactly what it computed before.
 
@@ -236,9 +237,10 @@ PARALLEL: dict[str, Callable[[nn.Module, torch.device], nn.Module]] = {"ddp": _d
 # FSDP2 hands optimizers DTensor shards (dim 0), and every optimizer updates them, each rank its own rows
 # (LeanOptimizer._step_param): AdamW is elementwise, the 8-/4-bit forms quantize each rank's shard of a moment
 # on its own, GaLore gathers a weight's whole gradient on projector refreshes only, and Adafactor sums its
-# factored statistics over the ranks. The layerwise forms step inside backward, before FSDP2's
-# reduce-scatter, and are refused; under DDP mode they run without the DDP wrapper and average each gradient
-# over the ranks themselves (cramming.optim.layerwise).
+# factored statistics over the ranks. The layerwise forms step inside backward: under FSDP2 in the
+# post-accumulate-grad hooks of the sharded parameters, which FSDP2 runs after each module's reduce-scatter
+# (torch >= 2.5; an older FSDP2 never runs them, and the first step says so); under DDP mode they run without
+# the DDP wrapper and average each gradient over the ranks themselves (cramming.optim.layerwise).
 LAYERWISE_SUFFIX = "_layerwise"
 
 
@@ -247,13 +249,7 @@ def prepare_model(model: nn.Module, ranks: Ranks, optim_name: str, dtype: torch.
     sharded in place. Call before building the optimizer: FSDP2 replaces the parameters."""
     if not ranks.active:
         return model
-    if ranks.mode == "fsdp2" and optim_name.endswith(LAYERWISE_SUFFIX):
-        raise ConfigError(
-            f"impl.distributed=fsdp2 reduces each gradient after the backward hooks in which"
-            f" train.optim.name={optim_name} steps: use impl.distributed=ddp with it, or"
-            f" train/optim={optim_name.removesuffix(LAYERWISE_SUFFIX)} under fsdp2"
-        )
-    if optim_name.endswith(LAYERWISE_SUFFIX):  # DDP mode: the optimizer reduces each gradient itself
+    if ranks.mode == "ddp" and optim_name.endswith(LAYERWISE_SUFFIX):  # the optimizer reduces each gradient
         _same_start(model)
         return model
     if ranks.mode == "fsdp2" and dtype == torch.float16:
@@ -274,8 +270,8 @@ def _same_start(model: nn.Module) -> None:
 
 def layerwise_reduce_group(ranks: Ranks) -> dist.ProcessGroup | None:
     """The group over which a layerwise optimizer averages each gradient in its hook, in place of DDP (which
-    prepare_model leaves out for it): all ranks under DDP mode; None for one process (and FSDP2, which
-    refuses layerwise optimizers)."""
+    prepare_model leaves out for it): all ranks under DDP mode; None for one process and for FSDP2, which
+    reduce-scatters each gradient itself before it runs the optimizer's hooks."""
     return dist.group.WORLD if ranks.active and ranks.mode == "ddp" else None
 
 
