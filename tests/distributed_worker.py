@@ -3,9 +3,9 @@
     torchrun --standalone --nproc_per_node=2 tests/distributed_worker.py OUT_DIR SCENARIO...
 
 SCENARIO: ddp, optimizers, fsdp2, lowbit (AdamW with 32-, 8- and 4-bit moments under FSDP2, and our
-optimizers' states resumed in the other mode), galore (the
-galore_* optimizers under FSDP2), layerwise (layerwise optimizers under DDP and FSDP2, 2 micro-batches per
-update); add `cuda` to run them on GPUs (nccl) instead of the CPU (gloo).
+optimizers' states saved in one mode and resumed in the other), galore (the galore_* optimizers under FSDP2),
+layerwise (layerwise optimizers under DDP and FSDP2, 2 micro-batches per update); add `cuda` to run them on
+GPUs (nccl) instead of the CPU (gloo).
 
 Each scenario trains the tiny model of tests/test_train.py with loop.train() and records, per rank, what the
 tests check (progress, stop reason, parameter differences to rank 0 after every update, gradient all-reduces
