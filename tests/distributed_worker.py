@@ -2,9 +2,10 @@
 
     torchrun --standalone --nproc_per_node=2 tests/distributed_worker.py OUT_DIR SCENARIO...
 
-SCENARIO: ddp, optimizers, fsdp2, lowbit (AdamW with 32-, 8- and 4-bit moments under FSDP2), galore (the
-galore_* optimizers under FSDP2), layerwise (layerwise optimizers under DDP, 2 micro-batches per
-update); add `cuda` to run them on GPUs (nccl) instead of the CPU (gloo).
+SCENARIO: ddp, optimizers, fsdp2, lowbit (AdamW with 32-, 8- and 4-bit moments under FSDP2, and our
+optimizers' states saved in one mode and resumed in the other), galore (the galore_* optimizers under FSDP2),
+layerwise (layerwise optimizers under DDP and FSDP2, 2 micro-batches per update); add `cuda` to run them on
+GPUs (nccl) instead of the CPU (gloo).
 
 Each scenario trains the tiny model of tests/test_train.py with loop.train() and records, per rank, what the
 tests check (progress, stop reason, parameter differences to rank 0 after every update, gradient all-reduces
@@ -40,7 +41,12 @@ LOWBIT_ARCH = "arch.intermediate_size=202"
 # 10 updates (5 refreshes in the 50): `std` projects up (404, 64) on the right, down (64, 202) on the left
 GALORE_OPTIMIZERS = ("galore_adamw", "galore_adamw_8bit", "galore_adamw_4bit", "galore_adafactor")
 GALORE_SETTINGS = ("train.optim.rank=8", "train.optim.update_proj_gap=10")
-# scenario layerwise: under DDP mode, with 2 accumulated global micro-batches per update
+# scenario lowbit, too: a state saved in either mode resumed in the other (FSDP2 ranks' shards <-> whole
+# tensors), for each kind of state: 8-bit, 4-bit, fp32 GaLore-AdamW (with plain fp32 moments for the rest)
+# and GaLore-Adafactor (with the ranks' shared column statistics); on the tiny model, whose 2-rank shards are
+# whole quantization blocks
+RESHARD_OPTIMIZERS = ("adamw_8bit", "adamw_4bit", "galore_adamw", "galore_adafactor")
+# scenario layerwise: under DDP mode and FSDP2, with 2 accumulated global micro-batches per update
 LAYERWISE_OPTIMIZERS = ("adamw_layerwise", "galore_adamw_layerwise", "adamw_8bit_layerwise")
 RANK = int(os.environ["RANK"])
 
@@ -206,10 +212,13 @@ def steps(base: Path, data, *overrides: str) -> dict:
     return {**summary(result), "differences": differences, "allreduces": allreduces, "state": reports[0]}
 
 
-def budget_then_resume(base: Path, data, prefix: str, mode: str, *overrides: str) -> dict:
+def budget_then_resume(
+    base: Path, data, prefix: str, mode: str, *overrides: str, legs: tuple[str, ...] = ("resumed", "crossed")
+) -> dict:
     """A fake-clock budget run in `mode` (rank 1's clock runs 3x slower than rank 0's); then the same run
-    interrupted by SIGINT on rank 1 during its 4th micro-batch and resumed, in the same mode and ("crossed")
-    in the other one. A resume refused with ConfigError is recorded as `<leg>_error`."""
+    interrupted by SIGINT on rank 1 during its 4th micro-batch and resumed, for each of `legs`: in the same
+    mode ("resumed") and in the other one ("crossed"). A resume refused with ConfigError is recorded as
+    `<leg>_error`."""
     tick = 60.0 if RANK == 0 else 20.0
     common = ("budget=0.1", "train.batch_size=32", "train.batch_size_ramp=0", "train.log_every=1", *overrides)
     clock = FakeClock(tick)
@@ -220,6 +229,8 @@ def budget_then_resume(base: Path, data, prefix: str, mode: str, *overrides: str
     results = {"reference": {**summary(reference), "lr": rates}}
     other = next(m for m in distributed.PARALLEL if m != mode)
     for leg, resume_mode in (("resumed", mode), ("crossed", other)):
+        if leg not in legs:
+            continue
         cfg = make_config(base, f"name={prefix}-{leg}", f"impl.distributed={mode}", *common)
         with ticking(clock, signal_at=4 if RANK == 1 else None):
             interrupted = loop.train(cfg, data, run_dir(cfg, "2026-01-01_00-00-00"), clock=clock)
@@ -262,9 +273,6 @@ def main() -> None:
         for name in ("adamw_8bit", "galore_adamw"):
             overrides = (f"name={name}", f"train/optim={name}", "train.optim.rank=8", "train.steps=2", *cuda)
             results[name] = steps(base, data, *overrides)
-        results["fsdp2_layerwise_error"] = refused(
-            base, data, "train/optim=galore_adamw_8bit_layerwise", "impl.distributed=fsdp2"
-        )
         results["fsdp2_fp16_error"] = refused(base, data, "impl.precision=fp16", "impl.distributed=fsdp2")
         results["batch_error"] = refused(
             base, data, "train.batch_size=8"
@@ -282,9 +290,14 @@ def main() -> None:
             )
             overrides += cuda
             results[f"fsdp2_{name}"] = steps(base, data, *overrides, "impl.distributed=fsdp2")
-        results["fsdp2_4bit_budget"] = budget_then_resume(
-            base, data, "fsdp2-4bit", "fsdp2", "train/optim=adamw_4bit", *cuda
-        )
+        for name in RESHARD_OPTIMIZERS:
+            optim = (f"train/optim={name}", *(GALORE_SETTINGS if name.startswith("galore") else ()), *cuda)
+            for mode in distributed.PARALLEL:  # 4-bit under FSDP2: also resumed with the same ranks
+                legs = ("resumed", "crossed") if (name, mode) == ("adamw_4bit", "fsdp2") else ("crossed",)
+                prefix = f"{mode}-{name}"
+                results[f"{mode}_{name}_budget"] = budget_then_resume(
+                    base, data, prefix, mode, *optim, legs=legs
+                )
     if "galore" in scenarios:
         for name in GALORE_OPTIMIZERS:
             overrides = (
@@ -297,14 +310,16 @@ def main() -> None:
             results[f"fsdp2_{name}"] = steps(base, data, *overrides, "impl.distributed=fsdp2")
     if "layerwise" in scenarios:
         for name in LAYERWISE_OPTIMIZERS:
-            overrides = (
-                f"name=ddp-{name}",
-                f"train/optim={name}",
-                f"train.steps={LOWBIT_STEPS}",
-                LOWBIT_ARCH,
-            )
-            overrides += GALORE_SETTINGS if name.startswith("galore") else ()
-            results[f"ddp_{name}"] = steps(base, data, *overrides, *cuda)
+            for mode in distributed.PARALLEL:
+                overrides = (
+                    f"name={mode}-{name}",
+                    f"train/optim={name}",
+                    f"train.steps={LOWBIT_STEPS}",
+                    LOWBIT_ARCH,
+                    f"impl.distributed={mode}",
+                )
+                overrides += GALORE_SETTINGS if name.startswith("galore") else ()
+                results[f"{mode}_{name}"] = steps(base, data, *overrides, *cuda)
         # one micro-batch per update (accumulation keeps every gradient between micro-batches)
         held: list[int] = []
         with held_gradients(held):

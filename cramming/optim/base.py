@@ -21,14 +21,18 @@ gradient is complete, and its gradient is freed at once, so full gradients are n
     an update's last (TrainStep.microbatch does): the hooks then leave the gradients to add up, and step on
     the last. A second stepping backward before `optimizer.step()` raises ConfigError from inside
     `loss.backward()` (each micro-batch would be a step).
-  * with several processes, pass `reduce_group` (the loop's DDP mode; and not wrap the model in DDP): each
-    gradient is averaged over the ranks in its hook, then stepped (cramming.optim.layerwise). Without it a
-    layerwise optimizer refuses to be built when a process group of several ranks exists: someone else's
-    DDP would reduce the gradients after the hooks had stepped on them. No fp16 GradScaler (the hooks see
-    scaled gradients): call `check_layerwise_loop` at start-up.
+  * with several processes, either pass `reduce_group` (the loop's DDP mode; and not wrap the model in DDP):
+    each gradient is averaged over the ranks in its hook, then stepped (cramming.optim.layerwise); or give
+    it FSDP2's parameters (`fully_shard`, no reduce_group): FSDP2 reduce-scatters each module's gradients
+    and then runs the sharded parameters' post-accumulate-grad hooks itself (torch >= 2.5), so each rank
+    steps its shard with the averaged gradient. Otherwise a layerwise optimizer refuses to be built when a
+    process group of several ranks exists: someone else's DDP would reduce the gradients after the hooks
+    had stepped on them. No fp16 GradScaler (the hooks see scaled gradients): call `check_layerwise_loop`
+    at start-up.
   * not clip the model's gradients itself: they are gone by then, and `clip_grad_norm_` would silently
     return 0. Pass the clipping threshold as `max_grad_norm` instead: each parameter's gradient is clipped
-    to that norm (per-parameter clipping, not the global-norm clipping of the normal path).
+    to that norm (per-parameter clipping, not the global-norm clipping of the normal path; under FSDP2 the
+    norm of the whole parameter's gradient, summed over the ranks' shards).
     `optimizer.grad_norm` holds the global norm of the last step's gradients (before clipping) for logging.
   * call `optimizer.step()` once per update, as usual: it updates nothing itself, it closes the step (steps
     the parameters whose reductions are still in flight, resets the per-step checks and computes
@@ -83,10 +87,7 @@ class RowShard:
 
     def piece(self, tensor: torch.Tensor) -> torch.Tensor:
         """This rank's piece of `tensor` (the same on every rank), flattened: a copy of piece_numel elements."""
-        size = self.piece_numel(tensor.numel())
-        start = dist.get_rank(self.group) * size
-        flat = tensor.reshape(-1)[start : start + size]
-        return torch.cat([flat, flat.new_zeros(size - flat.numel())])
+        return flat_piece(tensor, dist.get_rank(self.group), dist.get_world_size(self.group))
 
     def whole(self, piece: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
         """The tensor of `shape` whose pieces the ranks hold (all-gather: collective)."""
@@ -105,6 +106,22 @@ class RowShard:
         return tensor
 
 
+def flat_piece(tensor: torch.Tensor, index: int, count: int) -> torch.Tensor:
+    """Piece `index` of `count` equal pieces of `tensor` flattened (ceil(numel / count) elements, the last
+    ones zero-padded): a copy."""
+    size = -(-tensor.numel() // count)
+    flat = tensor.reshape(-1)[index * size : (index + 1) * size]
+    return torch.cat([flat, flat.new_zeros(size - flat.numel())])
+
+
+def chunk_rows(whole_rows: int, count: int) -> list[tuple[int, int]]:
+    """(start, rows) of each of `count` ranks' torch.chunk pieces of `whole_rows` rows, as FSDP2's Shard(0)
+    cuts them: ceil(whole_rows / count) rows each, the last ones fewer or none."""
+    chunk = -(-whole_rows // count)
+    starts = [min(i * chunk, whole_rows) for i in range(count)]
+    return [(start, min(chunk, whole_rows - start)) for start in starts]
+
+
 def row_shard(param: torch.Tensor) -> RowShard | None:
     """Which rows of `param` this rank holds: None for a plain tensor; FSDP2's DTensor is sharded on dim 0
     over a 1-D mesh in torch.chunk's pieces (ceil(m / ranks) rows each, the last ones fewer or none)."""
@@ -118,10 +135,10 @@ def row_shard(param: torch.Tensor) -> RowShard | None:
             f"our optimizers update FSDP2 shards of dim 0 on one mesh dimension, and got placements "
             f"{tuple(param.placements)} on a {mesh.ndim}-D mesh: use fully_shard on a 1-D mesh (no HSDP)"
         )
-    whole_rows, chunk = param.shape[0], -(-param.shape[0] // mesh.size())
-    start = min(mesh.get_local_rank() * chunk, whole_rows)
+    whole_rows = param.shape[0]
+    start, expected = chunk_rows(whole_rows, mesh.size())[mesh.get_local_rank()]
     rows = param.to_local().shape[0]
-    if rows != min(chunk, whole_rows - start):
+    if rows != expected:
         raise ConfigError(f"an FSDP2 shard of {rows} rows at row {start} is not torch.chunk's: unsupported")
     return RowShard(mesh.get_group(), whole_rows, start, rows)
 
@@ -154,8 +171,9 @@ class LeanOptimizer(torch.optim.Optimizer):
         self._sq_norm: torch.Tensor | None = None
         self._group_of: dict[int, int] = {}  # id(param) -> index of its group
         self.accumulating = False  # layerwise: the next backward only accumulates (see the module docstring)
-        if layerwise and reduce_group is None:
-            self._refuse_distributed()
+        params = list(params)  # an iterable is read once
+        if layerwise and reduce_group is None and not _all_sharded(params):
+            self._refuse_distributed()  # FSDP2's shards: FSDP2 reduces, then runs the hooks (module docstring)
         defaults = {"rank": 0, "update_proj_gap": 200, "scale": 1.0, "proj_type": "std", **defaults}
         super().__init__(params, defaults)  # calls add_param_group, which hooks layerwise parameters
         self._reducer = None
@@ -167,8 +185,8 @@ class LeanOptimizer(torch.optim.Optimizer):
             ordered += [p for p in params if id(p) not in placed]
             if any(is_sharded(p) for p in params):
                 raise ConfigError(
-                    "a layerwise optimizer got FSDP2 shards: FSDP2 reduces the gradients after the hooks in "
-                    "which it steps. Use impl.distributed=ddp, or the optimizer name without `_layerwise`"
+                    "a layerwise optimizer got FSDP2 shards and a reduce_group: FSDP2 reduce-scatters the "
+                    "gradients itself before the hooks run; pass no reduce_group under FSDP2"
                 )
             self._reducer = GradientReducer(ordered, self._step_layer, reduce_group)
 
@@ -361,7 +379,7 @@ class LeanOptimizer(torch.optim.Optimizer):
             raise ConfigError(
                 "layerwise optimizers update inside gradient hooks, before a DDP wrapper's all-reduce: with "
                 "several processes pass reduce_group (cramming's loop does, under impl.distributed=ddp), or "
-                "use the optimizer name without `_layerwise`"
+                "FSDP2's parameters (impl.distributed=fsdp2), or use the optimizer name without `_layerwise`"
             )
 
     @torch.no_grad()
@@ -382,14 +400,19 @@ class LeanOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def _step_layer(self, param: torch.Tensor) -> None:
-        """Clip `param`'s (complete, reduced) gradient, step it, free it."""
-        grad = param.grad
+        """Clip `param`'s (complete, reduced) gradient, step it, free it. Under FSDP2 the gradient is this
+        rank's shard, and the norm is the whole gradient's (collective: every rank runs the hooks in the
+        same order)."""
+        grad = local_part(param.grad)
         norm = torch.linalg.vector_norm(grad.float())
+        shard = row_shard(param)
+        if shard is not None:
+            norm = shard.sum_(norm.square()).sqrt()
         self._sq_norm = norm.square() if self._sq_norm is None else self._sq_norm + norm.square()
         if self.max_grad_norm is not None:
             # torch.nn.utils.clip_grad_norm_'s rule, applied to this parameter alone
             grad.mul_((self.max_grad_norm / (norm + 1e-6)).clamp(max=1.0).to(grad.dtype))
-        self._step_param(param, grad, self.param_groups[self._group_of[id(param)]])
+        self._step_param(param, param.grad, self.param_groups[self._group_of[id(param)]])
         param.grad = None
 
     def remove_hooks(self) -> None:
@@ -401,6 +424,12 @@ class LeanOptimizer(torch.optim.Optimizer):
     def _close_layerwise_step(self) -> None:
         """Step what is still being reduced; then the step's gradient norm, and the checks start afresh."""
         if not self._stepped:  # nothing stepped since the last close (e.g. zero_grad after step)
+            if any(is_sharded(p) and p.grad is not None for g in self.param_groups for p in g["params"]):
+                raise ConfigError(
+                    f"FSDP2 in torch {torch.__version__} left the gradients without running the parameters'"
+                    " post-accumulate-grad hooks, in which a layerwise optimizer steps: nothing was updated."
+                    " Use torch >= 2.5, impl.distributed=ddp, or the optimizer name without `_layerwise`"
+                )
             return
         if self._reducer is not None:
             with torch.no_grad():
@@ -428,6 +457,12 @@ class LeanOptimizer(torch.optim.Optimizer):
                     key: value.to(param.device, copy=True) if torch.is_tensor(value) else value
                     for key, value in saved[index].items()
                 }
+
+
+def _all_sharded(params: list) -> bool:
+    """Whether `params` (tensors or param-group dicts) are all FSDP2 shards (DTensors), and there are some."""
+    tensors = [p for item in params for p in (item["params"] if isinstance(item, dict) else [item])]
+    return bool(tensors) and all(is_sharded(p) for p in tensors)
 
 
 def check_layerwise_loop(

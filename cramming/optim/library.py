@@ -23,7 +23,7 @@ projector pieces), which Trainer's FSDP checkpointing cannot save: it goes throu
 torch.distributed.checkpoint's optimizer state dicts, which expect DTensors shaped like the parameters.
 FSDP1's flat parameters have no 2-D weights for GaLore. The supported routes: Trainer with DDP (a launch
 without an FSDP config), or cramming's own loop, `pretrain.py impl.distributed=fsdp2`, which saves these
-states per rank.
+states per rank and resumes them with any number of ranks or mode (cramming.optim.reshard).
 """
 
 from __future__ import annotations

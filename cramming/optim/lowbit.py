@@ -388,6 +388,32 @@ def convert_first_moment_4bit(
     _encode_m4(m, state, maps, v, wanted == "normalized", None)
 
 
+def decode_4bit(state: dict, shape: tuple[int, ...], maps: Maps4bit) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fp32 first and second moments (n,) that a 4-bit state of moments of `shape` holds."""
+    n = math.prod(shape)
+    v = _decode_v4(state, n, rank1_shape(shape), maps)
+    return _decode_m4(state, n, maps, v, saved_first_moment_format(state) == "normalized"), v
+
+
+def encode_second_moment_4bit(v: torch.Tensor, shape: tuple[int, ...], maps: Maps4bit) -> dict:
+    """Fresh 4-bit second-moment entries (codes and scales) of fp32 v (n,) of moments of `shape`."""
+    entries = {k: torch.zeros(s, dtype=d) for k, (s, d) in specs_4bit(shape).items() if k.startswith("v_")}
+    _encode_v4(v, entries, rank1_shape(shape), maps)
+    return entries
+
+
+def encode_first_moment_4bit(
+    m: torch.Tensor, stored: dict, shape: tuple[int, ...], maps: Maps4bit, m_format: str
+) -> dict:
+    """Fresh 4-bit first-moment entries of fp32 m (n,), rounded to nearest; a `normalized` one is divided
+    by the second moment that `stored` (4-bit second-moment entries) holds, as a step stores it."""
+    entries = {k: torch.zeros(s, dtype=d) for k, (s, d) in specs_4bit(shape).items() if k.startswith("m_")}
+    normalized = m_format == "normalized"
+    v = _decode_v4(stored, math.prod(shape), rank1_shape(shape), maps) if normalized else None
+    _encode_m4(m, entries, maps, v, normalized, None)
+    return entries
+
+
 def saved_format(state: dict) -> str:
     """The `v_map` of a quantized state; a state saved before it was recorded is 8-bit `dynamic`."""
     return state.get("v_map", LEGACY_SECOND_MOMENT_MAP)

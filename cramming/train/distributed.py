@@ -2,7 +2,8 @@
 
 PyTorch's own engine does the work: a process group from torchrun's environment (nccl on CUDA, gloo on CPU),
 DistributedDataParallel by default (a `*_layerwise` optimizer takes its place: cramming.optim.layerwise),
-FSDP2 (`fully_shard`) with `impl.distributed=fsdp2`. A process not started
+FSDP2 (`fully_shard`) with `impl.distributed=fsdp2` (a `*_layerwise` optimizer steps each parameter's shard
+in the hook that FSDP2 runs after its reduce-scatter). A process not started
 by torchrun (WORLD_SIZE unset or 1) makes no process group, and every helper here is then the identity: a
 single-process run computes exactly what it computed before.
 
@@ -19,8 +20,10 @@ What N processes compute is what one process computes with an N times larger mic
     schedule reads the same budget fraction everywhere.
 Only rank 0 logs (the others keep warnings), writes metrics, the resumable state and the final checkpoint;
 under FSDP2 the full state is gathered for them (our optimizers' per-rank shard states, low-bit and GaLore, as
-each rank holds them: they resume with the same number of FSDP2 ranks). A resumed run reads the state file on every rank: with
-several machines, base_dir must be on a shared file system.
+each rank holds them). A resumed run reads the state file on every rank (with several machines, base_dir must
+be on a shared file system) and loads it in its own layout: the same number of FSDP2 ranks as saved, our
+optimizers' shard states as they are; any other number of ranks, DDP or one process, converted
+(cramming.optim.reshard: exact, but for quantized blocks that the new layout cuts elsewhere).
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from cramming.budget import BudgetClock
 from cramming.errors import ConfigError
 from cramming.impl import ImplConfig
 from cramming.model.checkpoint import unwrap
+from cramming.optim import reshard
 from cramming.optim.base import LeanOptimizer
 from cramming.utils import launched_by_torchrun
 
@@ -233,9 +237,10 @@ PARALLEL: dict[str, Callable[[nn.Module, torch.device], nn.Module]] = {"ddp": _d
 # FSDP2 hands optimizers DTensor shards (dim 0), and every optimizer updates them, each rank its own rows
 # (LeanOptimizer._step_param): AdamW is elementwise, the 8-/4-bit forms quantize each rank's shard of a moment
 # on its own, GaLore gathers a weight's whole gradient on projector refreshes only, and Adafactor sums its
-# factored statistics over the ranks. The layerwise forms step inside backward, before FSDP2's
-# reduce-scatter, and are refused; under DDP mode they run without the DDP wrapper and average each gradient
-# over the ranks themselves (cramming.optim.layerwise).
+# factored statistics over the ranks. The layerwise forms step inside backward: under FSDP2 in the
+# post-accumulate-grad hooks of the sharded parameters, which FSDP2 runs after each module's reduce-scatter
+# (torch >= 2.5; an older FSDP2 never runs them, and the first step says so); under DDP mode they run without
+# the DDP wrapper and average each gradient over the ranks themselves (cramming.optim.layerwise).
 LAYERWISE_SUFFIX = "_layerwise"
 
 
@@ -244,13 +249,7 @@ def prepare_model(model: nn.Module, ranks: Ranks, optim_name: str, dtype: torch.
     sharded in place. Call before building the optimizer: FSDP2 replaces the parameters."""
     if not ranks.active:
         return model
-    if ranks.mode == "fsdp2" and optim_name.endswith(LAYERWISE_SUFFIX):
-        raise ConfigError(
-            f"impl.distributed=fsdp2 reduces each gradient after the backward hooks in which"
-            f" train.optim.name={optim_name} steps: use impl.distributed=ddp with it, or"
-            f" train/optim={optim_name.removesuffix(LAYERWISE_SUFFIX)} under fsdp2"
-        )
-    if optim_name.endswith(LAYERWISE_SUFFIX):  # DDP mode: the optimizer reduces each gradient itself
+    if ranks.mode == "ddp" and optim_name.endswith(LAYERWISE_SUFFIX):  # the optimizer reduces each gradient
         _same_start(model)
         return model
     if ranks.mode == "fsdp2" and dtype == torch.float16:
@@ -271,8 +270,8 @@ def _same_start(model: nn.Module) -> None:
 
 def layerwise_reduce_group(ranks: Ranks) -> dist.ProcessGroup | None:
     """The group over which a layerwise optimizer averages each gradient in its hook, in place of DDP (which
-    prepare_model leaves out for it): all ranks under DDP mode; None for one process (and FSDP2, which
-    refuses layerwise optimizers)."""
+    prepare_model leaves out for it): all ranks under DDP mode; None for one process and for FSDP2, which
+    reduce-scatters each gradient itself before it runs the optimizer's hooks."""
     return dist.group.WORLD if ranks.active and ranks.mode == "ddp" else None
 
 
@@ -333,15 +332,16 @@ def _by_name(state: dict, names: list[str]) -> dict:
 def _holds_shard_state(optimizer: torch.optim.Optimizer, ranks: Ranks) -> bool:
     """Whether each rank's optimizer state is its own plain tensors (our optimizers under FSDP2), which
     torch.distributed.checkpoint's full state dict cannot gather: it gathers DTensors, and per-shard
-    quantization blocks, packed codes and GaLore's low-rank moments and projector pieces do not concatenate
-    into the whole tensor's."""
+    quantization blocks, packed codes and GaLore's projector pieces need our own conversion
+    (cramming.optim.reshard) to become the whole tensor's."""
     return ranks.active and ranks.mode == "fsdp2" and isinstance(optimizer, LeanOptimizer)
 
 
 def _gathered_shard_states(optimizer: torch.optim.Optimizer, ranks: Ranks) -> dict:
     """Every rank's optimizer state dict (on the CPU), gathered to rank 0 as {"param_groups": ...,
     "rank_states": [rank 0's "state", rank 1's, ...]}; {} on the other ranks. Collective. The codes and
-    scales are kept as each rank holds them, so the same number of ranks resumes them exactly."""
+    scales are kept as each rank holds them, so the same number of ranks resumes them exactly (and any other
+    layout converts them when it loads them: _optimizer_state_here)."""
     own = optimizer.state_dict()
     state = {
         i: {k: v.cpu() if torch.is_tensor(v) else v for k, v in s.items()} for i, s in own["state"].items()
@@ -353,30 +353,64 @@ def _gathered_shard_states(optimizer: torch.optim.Optimizer, ranks: Ranks) -> di
     return {"param_groups": own["param_groups"], "rank_states": gathered}
 
 
-def _check_shard_states(optimizer_state: dict, shard_state: bool, ranks: Ranks) -> None:
-    """Refuse a saved optimizer state this job cannot load exactly: per-rank shard states for another
-    number of ranks or another mode, or a whole-tensor quantized state for our optimizers under FSDP2."""
+def _check_shard_states(optimizer_state: dict, lean: bool) -> None:
+    """Refuse a saved optimizer state that cannot become this optimizer's: FSDP2 ranks' shard states (ours)
+    for an optimizer that is not ours."""
     saved = optimizer_state.get("rank_states")
-    if saved is not None and not (shard_state and len(saved) == ranks.world_size):
+    if saved is not None and not lean:
         raise ConfigError(
-            f"the saved optimizer state is {len(saved)} FSDP2 ranks' shards, and this job is"
-            f" {ranks.world_size} process(es) with impl.distributed={ranks.mode}: resume with the same number"
-            " of processes and impl.distributed=fsdp2 (changing the world size of an 8-/4-bit or GaLore state is"
-            " not supported yet)"
+            f"the saved optimizer state is {len(saved)} FSDP2 ranks' shards of cramming's own optimizer"
+            " (8-/4-bit or GaLore), and this run's optimizer is another one: resume with the train.optim that"
+            " saved it, or start the optimizer state afresh"
         )
-    if saved is None and shard_state and optimizer_state.get("state"):
-        raise ConfigError(
-            "the saved optimizer state holds whole tensors (a single process or DDP), and under"
-            " impl.distributed=fsdp2 this optimizer holds per-rank shards: resume with impl.distributed=ddp"
-            " or the number of processes that saved it"
-        )
+
+
+def _optimizer_state_here(
+    model: nn.Module, optimizer: torch.optim.Optimizer, optimizer_state: dict, ranks: Ranks
+) -> dict:
+    """The saved optimizer state in this job's layout. Our optimizers hold whole tensors in one process or
+    under DDP, and per-rank shard states under FSDP2: a state saved in the other layout, or by another number
+    of FSDP2 ranks, is converted (cramming.optim.reshard: exact, but for quantized moments whose blocks the
+    new layout cuts elsewhere, re-quantized and logged). The same number of FSDP2 ranks loads as saved."""
+    lean = isinstance(optimizer, LeanOptimizer)
+    _check_shard_states(optimizer_state, lean)
+    rank_states = optimizer_state.get("rank_states")
+    shard_state = _holds_shard_state(optimizer, ranks)
+    groups = optimizer_state["param_groups"]
+    if rank_states is None and not (shard_state and optimizer_state.get("state")):
+        return optimizer_state  # whole tensors for whole tensors (or nothing to cut)
+    if rank_states is not None and shard_state and len(rank_states) == ranks.world_size:
+        return {"state": rank_states[ranks.rank], "param_groups": groups}
+    names = _param_names(model, optimizer)
+    requantized = {}
+    state = optimizer_state.get("state", {})
+    if rank_states is not None:
+        state, requantized = reshard.merge_rank_states(optimizer, rank_states, names)
+    if shard_state:
+        state, cut = reshard.cut_whole_state(optimizer, state, ranks.rank, ranks.world_size, names)
+        requantized = {
+            name: sorted({*requantized.get(name, ()), *cut.get(name, ())}) for name in {*requantized, *cut}
+        }
+    source = "whole tensors" if rank_states is None else f"{len(rank_states)} FSDP2 ranks' shards"
+    here = f"{ranks.world_size} FSDP2 ranks" if shard_state else "whole tensors"
+    moved = ", ".join(f"{name} ({'+'.join(moments)})" for name, moments in sorted(requantized.items()))
+    log.info(
+        "optimizer state: %s -> %s; %d of %d parameters' states moved exactly, the others' moments"
+        " re-quantized in the new blocks (each value to its nearest code: at most half a code step)%s",
+        source,
+        here,
+        len(state) - len(requantized),
+        len(state),
+        f": {moved}" if moved else "",
+    )
+    return {"state": state, "param_groups": groups}
 
 
 def full_state(model: nn.Module, optimizer: torch.optim.Optimizer, ranks: Ranks) -> tuple[dict, dict]:
     """Model and optimizer state dicts as one process has them (plain keys, whole tensors, optimizer state by
     parameter index), so a state saved by any number of ranks resumes on any other. Collective under FSDP2,
-    where the ranks other than 0 get empty dicts. Our optimizers under FSDP2 keep per-rank shard states
-    (see _gathered_shard_states), which resume with the same number of ranks only."""
+    where the ranks other than 0 get empty dicts. Our optimizers under FSDP2 save their per-rank shard states
+    as the ranks hold them (see _gathered_shard_states); load_full_state converts them where needed."""
     if not (ranks.active and ranks.mode == "fsdp2"):
         return model.state_dict(), optimizer.state_dict()
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
@@ -401,7 +435,7 @@ def load_full_state(
 ) -> None:
     """The inverse of full_state; every rank passes the whole saved state."""
     shard_state = _holds_shard_state(optimizer, ranks)
-    _check_shard_states(optimizer_state, shard_state, ranks)
+    optimizer_state = _optimizer_state_here(model, optimizer, optimizer_state, ranks)
     if not (ranks.active and ranks.mode == "fsdp2"):
         model.load_state_dict(model_state)
         optimizer.load_state_dict(optimizer_state)
@@ -412,10 +446,7 @@ def load_full_state(
     if shard_state:
         _reshape_lifted(model, model_state, None, lift=True)
         set_model_state_dict(model, model_state, options=_fsdp2_options())
-        rank_states = optimizer_state.get("rank_states", [{}] * ranks.world_size)
-        optimizer.load_state_dict(
-            {"state": rank_states[ranks.rank], "param_groups": optimizer_state["param_groups"]}
-        )
+        optimizer.load_state_dict(optimizer_state)
         return
     named = _by_name(optimizer_state, _param_names(model, optimizer))
     _reshape_lifted(model, model_state, named, lift=True)
