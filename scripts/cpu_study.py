@@ -300,8 +300,10 @@ def plot(runs: dict, out: Path) -> None:
         ax.set_xlabel(xlabel)
     axes[0].set_ylabel("GLUE average of 5 tasks")
     fig.suptitle(", ".join(TASKS), fontsize=8)
-    axes[1].legend(fontsize=7)
-    fig.tight_layout()
+    # below the axes: inside them, "best" still lands on an error bar when the points span the panel
+    handles, labels = axes[1].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=7)
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
     out.mkdir(parents=True, exist_ok=True)
     fig.savefig(out / "glue_vs_minutes.png", dpi=120)
     print(f"\nplot: {out / 'glue_vs_minutes.png'}")
