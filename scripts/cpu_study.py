@@ -300,10 +300,13 @@ def plot(runs: dict, out: Path) -> None:
         ax.set_xlabel(xlabel)
     axes[0].set_ylabel("GLUE average of 5 tasks")
     fig.suptitle(", ".join(TASKS), fontsize=8)
-    # below the axes: inside them, "best" still lands on an error bar when the points span the panel
+    # below the axes: inside them, "best" still lands on an error bar when the points span the panel. At most
+    # five entries a row, so that many series wrap onto more rows instead of running off the figure's sides.
     handles, labels = axes[1].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=7)
-    fig.tight_layout(rect=(0, 0.07, 1, 1))
+    columns = min(len(labels), 5)
+    rows = -(-len(labels) // columns)
+    fig.legend(handles, labels, loc="lower center", ncol=columns, fontsize=7)
+    fig.tight_layout(rect=(0, 0.01 + 0.06 * rows, 1, 1))
     out.mkdir(parents=True, exist_ok=True)
     fig.savefig(out / "glue_vs_minutes.png", dpi=120)
     print(f"\nplot: {out / 'glue_vs_minutes.png'}")
