@@ -290,10 +290,13 @@ def plot(runs: dict, out: Path) -> None:
         for arch, points in sorted(by_arch.items()):
             points.sort(key=lambda point: point[column])
             xs, ys = [point[column] for point in points], [point[2] for point in points]
-            # bars: the range of the per-seed averages
-            below = [point[2] - point[3] for point in points]
-            above = [point[4] - point[2] for point in points]
-            ax.errorbar(xs, ys, yerr=[below, above], marker="o", capsize=3, label=f"{arch} (ours, dev)")
+            (line,) = ax.plot(xs, ys, marker="o", label=f"{arch} (ours, dev)")
+            # bars: the range of the per-seed averages, drawn from its ends. The point is the average of the
+            # per-task medians, which can lie outside that range (each task's median may come from another
+            # seed), so the bar is not an error bar around the point.
+            ax.vlines(xs, [point[3] for point in points], [point[4] for point in points], color=line.get_color())
+            ax.plot(xs * 2, [point[3] for point in points] + [point[4] for point in points], linestyle="none",
+                    marker="_", markersize=6, color=line.get_color())  # fmt: skip
         for color, (name, figures) in zip(("C6", "C7"), TURC.items(), strict=True):
             mean = np.mean([figures[t] for t in TASKS])
             ax.axhline(mean, color=color, linestyle="--", linewidth=1, label=f"{name} (test)")
