@@ -94,6 +94,9 @@ def test_cpu_study_sweep_composes_to_its_documented_recipe():
     assert (cfg.train.batch_size, cfg.train.batch_size_ramp, cfg.impl.cpu_threads) == (64, 0, 1)
     mini = validate(_compose("+sweep=cpu-study", "arch=bert-mini"))
     assert mini.arch.name == "bert-mini" and mini.arch.attention_bias == "alibi"
+    small = validate(_compose("+sweep=cpu-study", "arch=bert-small"))
+    assert small.arch.name == "bert-small" and small.arch.hidden_size == 512
+    assert small.arch.attention_bias == "alibi"
 
 
 @pytest.mark.parametrize("recipe", sorted(p.stem for p in (CONF_DIR / "eval").glob("*.yaml")))

@@ -54,7 +54,12 @@ def mlm_batch(batch=3, seq=16, vocab=VOCAB, fraction=0.25):
 
 @pytest.mark.parametrize(
     ("name", "vocab", "expected_millions"),
-    [("crammed-bert", 32768, 119.6), ("bert-base", 30522, 109.5)],  # 109.5M: BERT-base MLM without the pooler
+    [
+        ("crammed-bert", 32768, 119.6),
+        ("bert-base", 30522, 109.5),  # BERT-base MLM without the pooler
+        # 4 x (4 x 512^2 attention + 512 x 2048 gated input + 1024 x 512 output) + 8192 x 512 tied embedding
+        ("bert-small", 8192, 14.7),
+    ],
 )
 def test_parameter_count_of_the_real_configs(name, vocab, expected_millions):
     with torch.device("meta"):
