@@ -294,11 +294,9 @@ def plot(runs: dict, out: Path) -> None:
             # bars: the range of the per-seed averages, drawn from its ends. The point is the average of the
             # per-task medians, which can lie outside that range (each task's median may come from another
             # seed), so the bar is not an error bar around the point.
-            ax.vlines(
-                xs, [point[3] for point in points], [point[4] for point in points], color=line.get_color()
-            )
-            ax.plot(xs * 2, [point[3] for point in points] + [point[4] for point in points], linestyle="none",
-                    marker="_", markersize=6, color=line.get_color())  # fmt: skip
+            lows, highs = [point[3] for point in points], [point[4] for point in points]
+            ax.vlines(xs, lows, highs, color=line.get_color())
+            ax.plot(xs * 2, lows + highs, linestyle="none", marker="_", markersize=6, color=line.get_color())
         for color, (name, figures) in zip(("C6", "C7"), TURC.items(), strict=True):
             mean = np.mean([figures[t] for t in TASKS])
             ax.axhline(mean, color=color, linestyle="--", linewidth=1, label=f"{name} (test)")

@@ -90,7 +90,7 @@ def test_cpu_study_sweep_composes_to_its_documented_recipe():
     cfg = validate(_compose("+sweep=cpu-study", "arch=bert-tiny", "budget=1"))
     assert cfg.arch.name == "bert-tiny" and cfg.arch.attention_bias == "alibi"
     assert cfg.data.tokenizer.vocab_size == 8192
-    # all twelve shards, one pass in about an hour (results/cpu-study.md, issue 33's fourth session)
+    # all twelve shards: read about once instead of two repeated (results/cpu-study.md, issue 33's fourth session)
     assert cfg.data.sources["local"].files == "../shared/data/wikipedia-en-2015/train-*-of-00012.jsonl.gz"
     assert (cfg.train.batch_size, cfg.train.batch_size_ramp, cfg.impl.cpu_threads) == (64, 0, 1)
     mini = validate(_compose("+sweep=cpu-study", "arch=bert-mini"))
