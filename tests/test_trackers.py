@@ -217,6 +217,8 @@ def wandb_records(path: Path) -> list:
             pos += WANDB_BLOCK - pos % WANDB_BLOCK
             continue
         _, length, kind = struct.unpack("<IHB", data[pos : pos + WANDB_HEADER])
+        if pos + WANDB_HEADER + length > len(data):  # a chunk still being written
+            break
         pending += data[pos + WANDB_HEADER : pos + WANDB_HEADER + length]
         pos += WANDB_HEADER + length
         if kind in (1, 4):  # a full record, or the last chunk of one
@@ -227,11 +229,29 @@ def wandb_records(path: Path) -> list:
     return records
 
 
+def written_wandb_records(folder: Path, wait_s: float = 120) -> list:
+    """The records of folder's one offline run, once wandb's service has written them to its last one.
+
+    `run.finish()` returns when the service has the run's end, not when its writer has flushed the file: on a
+    loaded machine the file may still lack every record for a moment (seen in CI: no run record at all).
+    """
+    (path,) = folder.glob("wandb/offline-run-*/run-*.wandb")
+    deadline = time.monotonic() + wait_s
+    while True:
+        records = wandb_records(path) if path.stat().st_size >= WANDB_HEADER else []
+        kinds = [record.WhichOneof("record_type") for record in records]
+        if "exit" in kinds or time.monotonic() > deadline:
+            assert "exit" in kinds, (
+                f"{path} lacks the run's exit record after {wait_s:.0f} s; it holds {kinds}"
+            )
+            return records
+        time.sleep(0.2)
+
+
 def wandb_run(folder: Path) -> dict:
     """The offline W&B run in folder/wandb: its id, group and history rows (wandb's own _step etc. left out)."""
-    (path,) = folder.glob("wandb/offline-run-*/run-*.wandb")
     run, history, summary = None, [], {}
-    for record in wandb_records(path):
+    for record in written_wandb_records(folder):
         kind = record.WhichOneof("record_type")
         if kind == "run":
             run = record.run
