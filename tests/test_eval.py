@@ -429,6 +429,16 @@ def test_resume_refuses_another_recipe_and_reruns_what_the_budget_cut_short(
     assert report["scores"]["RTE"]["median"] == 0.75
 
 
+def test_layer_decay_reaches_each_task_and_the_recipe_only_when_set(glue_dir):
+    from cramming.eval.finetune import _with_lr
+
+    cfg = EvalRunConfig(eval=small_eval(glue_dir, tasks=["RTE"]), checkpoint="run")
+    assert "layer_decay" not in recipe_of(cfg, "run")["eval"]["optim"]  # evaluations made before it resume
+    decayed = replace(cfg, eval=replace(cfg.eval, optim=replace(cfg.eval.optim, layer_decay=0.8)))
+    assert recipe_of(decayed, "run")["eval"]["optim"]["layer_decay"] == 0.8
+    assert _with_lr(decayed.eval, 3e-4).layer_decay == 0.8  # a task's own rate keeps the decay
+
+
 def test_a_requeued_evaluation_takes_up_its_own_runs_and_a_multirun_resumes_job_by_job(
     sst2, tmp_path, glue_dir, monkeypatch
 ):

@@ -19,6 +19,7 @@ from cramming.optim import (
     build_optimizer,
     check_layerwise_loop,
     format_state_report,
+    layer_scales,
     optimizer_state_report,
     param_groups,
 )
@@ -134,12 +135,72 @@ def test_config_errors_name_the_key():
         ({"target_modules": ["attn", "all-linear"]}, "target_modules"),
         ({"target_modules": ["("]}, "target_modules"),
         ({"target_modules": []}, "target_modules"),
+        ({"layer_decay": 0.0}, "layer_decay"),
+        ({"layer_decay": 1.5}, "layer_decay"),
     ]:
         # checked by the config's owner, naming the key where it sits (train.optim or eval.optim)
         with pytest.raises(ConfigError, match=f"train.optim.{key}"):
             OptimConfig(name="galore_adamw", **kw).check("train.optim")
         with pytest.raises(ConfigError, match=f"eval.optim.{key}"):
             build_optimizer(TinyLM(), OptimConfig(name="galore_adamw", **kw), scope="eval.optim")
+
+
+# --- layer-wise learning-rate decay --------------------------------------------------------------------
+
+
+def test_layer_scales_follow_the_blocks():
+    """TinyLM: the embedding (tied to the decoder, so counted once, before the blocks), two blocks, the final
+    norm after them."""
+    model = TinyLM()
+    scales = layer_scales(model, 0.5)
+    assert set(scales) == {id(p) for p in model.parameters()}
+    assert scales[id(model.embedding.weight)] == 0.5**3
+    for i, layer in enumerate(model.layers):
+        assert {scales[id(p)] for p in layer.parameters()} == {0.5 ** (2 - i)}
+    assert {scales[id(p)] for p in model.final_norm.parameters()} == {1.0}
+
+
+def test_layer_decay_one_keeps_the_groups_and_a_model_without_blocks_is_refused():
+    model = TinyLM()
+    plain = build_optimizer(model, _cfg("adamw", layer_decay=1.0))
+    assert [[id(p) for p in g["params"]] for g in plain.param_groups] == [
+        [id(p) for p in g["params"]] for g in param_groups(model, 0.01)
+    ]
+    assert all(g["lr"] == 3e-3 and "lr_scale" not in g for g in plain.param_groups)
+    with pytest.raises(ConfigError, match=r"eval.optim.layer_decay=0.8.*no list of blocks.*layer_decay=1.0"):
+        build_optimizer(nn.Sequential(nn.Linear(4, 4)), _cfg("adamw", layer_decay=0.8), scope="eval.optim")
+
+
+@pytest.mark.parametrize(
+    "name", ["adamw", "adamw_8bit", "galore_adamw", "galore_adafactor", "adamw_layerwise"]
+)
+def test_layer_decay_scales_each_parameters_update(name):
+    """The first update of every parameter under layer_decay is its layer's factor times the update without
+    it (the same gradients, so the same direction: only the rate differs). The two updates are computed as
+    new - old values, each rounded once at the parameter's magnitude, hence the absolute tolerance."""
+    torch.manual_seed(0)
+    plain_model = TinyLM()
+    decayed_model = copy.deepcopy(plain_model)
+    start = [p.detach().clone() for p in plain_model.parameters()]
+    _train(plain_model, build_optimizer(plain_model, _cfg(name)), 1)
+    _train(decayed_model, build_optimizer(decayed_model, _cfg(name, layer_decay=0.5)), 1)
+    scales = layer_scales(decayed_model, 0.5)
+    assert sorted(set(scales.values())) == [0.125, 0.25, 0.5, 1.0]
+    for p0, plain, decayed in zip(start, plain_model.parameters(), decayed_model.parameters(), strict=True):
+        rounding = 4 * torch.finfo(torch.float32).eps * p0.abs().max().item()
+        expected = (plain.detach() - p0) * scales[id(decayed)]
+        torch.testing.assert_close(decayed.detach() - p0, expected, rtol=1e-5, atol=rounding)
+        assert (expected != 0).any()
+
+
+def test_the_schedule_multiplies_each_layers_rate():
+    model = TinyLM()
+    opt = build_optimizer(model, _cfg("adamw", layer_decay=0.5))
+    step = TrainStep(model, opt, device_type="cpu", dtype=torch.float32, grad_clip=None)
+    step.begin(lr_factor=0.5)
+    for group in opt.param_groups:
+        assert group["lr"] == pytest.approx(0.5 * 3e-3 * group["lr_scale"], rel=1e-12)
+    assert sorted({g["lr_scale"] for g in step.optimizer.param_groups}) == [0.125, 0.25, 0.5, 1.0]
 
 
 def test_yaml_files_compose_for_every_name():

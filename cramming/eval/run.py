@@ -84,6 +84,8 @@ def recipe_of(cfg: EvalRunConfig, source: str) -> dict:
     """What a fine-tuning run's result depends on besides its task and seed, as JSON reads it back."""
     tuning = asdict(cfg.eval)
     del tuning["tasks"], tuning["seeds"]  # which runs there are, not how each runs
+    if tuning["optim"]["layer_decay"] == 1.0:  # added later: evaluations made before it still resume
+        del tuning["optim"]["layer_decay"]
     if tuning["glue_dir"] is not None:
         tuning["glue_dir"] = str(Path(tuning["glue_dir"]).resolve())
     impl = asdict(cfg.impl)

@@ -44,6 +44,7 @@ __all__ = [
     "create_optimizer",
     "format_state_report",
     "galore_parameters",
+    "layer_scales",
     "optimizer_state_report",
     "param_groups",
 ]
@@ -69,6 +70,56 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
         {"params": decay, "weight_decay": weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
+
+
+def _block_list(model: nn.Module) -> nn.ModuleList | None:
+    """The model's stack of blocks: its nn.ModuleList with the most entries (encoder.blocks here,
+    bert.encoder.layer in transformers' BERT); None when it has none."""
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) > 0]
+    return max(lists, key=len, default=None)
+
+
+def layer_scales(model: nn.Module, layer_decay: float) -> dict[int, float]:
+    """id(parameter) -> the factor on its learning rate under layer-wise decay, for every trainable parameter.
+
+    With L blocks (the model's longest nn.ModuleList): what comes after the blocks (final norm, classifier
+    head) 1, block i (from 0) layer_decay^(L - i), what comes before them (the embeddings)
+    layer_decay^(L + 1). Before and after are told by the order of model.named_parameters(), which follows
+    the order the modules were defined in; a weight tied to the embeddings counts once, as an embedding."""
+    blocks = _block_list(model)
+    if blocks is None:
+        raise ConfigError(
+            f"layer_decay={layer_decay} needs a model built of a list of blocks (an nn.ModuleList); "
+            f"{type(model).__name__} has none: use layer_decay=1.0"
+        )
+    depth_of = {id(p): i + 1 for i, block in enumerate(blocks) for p in block.parameters()}
+    count = len(blocks)
+    scales, seen_block = {}, False
+    for _, param in model.named_parameters():
+        depth = depth_of.get(id(param))
+        if depth is not None:
+            seen_block = True
+        else:
+            depth = count + 1 if seen_block else 0
+        if param.requires_grad:
+            scales[id(param)] = layer_decay ** (count + 1 - depth)
+    return scales
+
+
+def _scaled_by_layer(groups: list[dict], model: nn.Module, cfg: OptimConfig) -> list[dict]:
+    """Each group split by its parameters' layer_scales, each part at lr * scale (its `lr_scale` recorded);
+    the groups unchanged with cfg.layer_decay = 1. Parts keep their parameters' order, largest scale first."""
+    if cfg.layer_decay == 1.0:
+        return groups
+    scales = layer_scales(model, cfg.layer_decay)
+    parts = []
+    for group in groups:
+        by_scale: dict[float, list] = {}
+        for param in group["params"]:
+            by_scale.setdefault(scales[id(param)], []).append(param)
+        for scale in sorted(by_scale, reverse=True):
+            parts.append({**group, "params": by_scale[scale], "lr": cfg.lr * scale, "lr_scale": scale})
+    return parts
 
 
 def lean_param_groups(model: nn.Module, cfg: OptimConfig, *, galore: bool, bits: int) -> list[dict]:
@@ -115,7 +166,11 @@ def _adamw(
     # rounding; sharded (DTensor) parameters and the CPU keep torch's default
     fused = all(p.is_cuda and type(p.data) is torch.Tensor for p in model.parameters()) or None
     return torch.optim.AdamW(
-        param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, fused=fused
+        _scaled_by_layer(param_groups(model, cfg.weight_decay), model, cfg),
+        lr=cfg.lr,
+        betas=tuple(cfg.betas),
+        eps=cfg.eps,
+        fused=fused,
     )
 
 
@@ -131,7 +186,7 @@ def _lean_adamw(
     reduce_group: torch.distributed.ProcessGroup | None = None,
 ) -> AdamW:
     return AdamW(
-        lean_param_groups(model, cfg, galore=galore, bits=bits),
+        _scaled_by_layer(lean_param_groups(model, cfg, galore=galore, bits=bits), model, cfg),
         lr=cfg.lr,
         betas=tuple(cfg.betas),
         eps=cfg.eps,
@@ -159,7 +214,7 @@ def _galore_adafactor(
     reduce_group: torch.distributed.ProcessGroup | None = None,
 ) -> Adafactor:
     return Adafactor(
-        lean_param_groups(model, cfg, galore=True, bits=32),
+        _scaled_by_layer(lean_param_groups(model, cfg, galore=True, bits=32), model, cfg),
         lr=cfg.lr,
         weight_decay=cfg.weight_decay,
         layerwise=layerwise,
@@ -185,7 +240,7 @@ def _bitsandbytes_adamw8bit(model: nn.Module, cfg: OptimConfig) -> torch.optim.O
             "manager): use `train.optim.backend=cramming` for it, or embedding_32bit=false"
         )
     return bnb.optim.AdamW8bit(
-        param_groups(model, cfg.weight_decay),
+        _scaled_by_layer(param_groups(model, cfg.weight_decay), model, cfg),
         lr=cfg.lr,
         betas=tuple(cfg.betas),
         eps=cfg.eps,
@@ -243,6 +298,11 @@ def build_optimizer(
     check_choice(f"{scope}.name", cfg.name, OPTIMIZERS)
     cfg.check(scope)
     check_choice("kernel", kernel, KERNELS)
+    if cfg.layer_decay != 1.0 and _block_list(model) is None:
+        raise ConfigError(
+            f"`{scope}.layer_decay={cfg.layer_decay}` decays the rate block by block, and "
+            f"{type(model).__name__} holds no list of blocks (nn.ModuleList): use `{scope}.layer_decay=1.0`"
+        )
     if cfg.backend != "cramming":
         names = BACKEND_NAMES[cfg.backend]
         if cfg.name not in names:

@@ -30,6 +30,10 @@ class OptimConfig:
     eps: float = 1e-12
     # decoupled weight decay; never applied to norms, biases or the embeddings' norm
     weight_decay: float = 0.01
+    # layer-wise learning-rate decay, a fine-tuning setting (ELECTRA, BEiT): what comes after the blocks (final
+    # norm, classifier head) trains at lr, the last block at lr * layer_decay, each block below at one more
+    # factor, the embeddings at lr * layer_decay^(blocks + 1). 1.0: one rate for all (cramming.optim.layer_scales)
+    layer_decay: float = 1.0
 
     # --- GaLore (galore_*), Hugging Face's `optim_args` -----------------------------------------------
     # rank of the projection; the optimizer state of a projected m×n weight is rank×max(m, n)
@@ -78,6 +82,10 @@ class OptimConfig:
             raise config_error(f"{scope}.eps", self.eps, "use a small positive number")
         if self.weight_decay < 0:
             raise config_error(f"{scope}.weight_decay", self.weight_decay, "use 0 or a positive value")
+        if not 0.0 < self.layer_decay <= 1.0:
+            raise config_error(
+                f"{scope}.layer_decay", self.layer_decay, "use a factor in (0, 1], e.g. 0.8; 1.0 turns it off"
+            )
         if self.rank < 1:
             raise config_error(f"{scope}.rank", self.rank, "use a positive rank, e.g. 128 (pretraining) or 8")
         if self.update_proj_gap < 1:
