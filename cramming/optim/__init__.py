@@ -72,11 +72,16 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     ]
 
 
-def _block_list(model: nn.Module) -> nn.ModuleList | None:
+def _block_list(model: nn.Module, layer_decay: float, key: str = "layer_decay") -> nn.ModuleList:
     """The model's stack of blocks: its nn.ModuleList with the most entries (encoder.blocks here,
-    bert.encoder.layer in transformers' BERT); None when it has none."""
+    bert.encoder.layer in transformers' BERT). Raises ConfigError, naming `key`, when it has none."""
     lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) > 0]
-    return max(lists, key=len, default=None)
+    if not lists:
+        raise ConfigError(
+            f"`{key}={layer_decay}` decays the rate block by block, and {type(model).__name__} holds no list "
+            f"of blocks (nn.ModuleList): use `{key}=1.0`"
+        )
+    return max(lists, key=len)
 
 
 def layer_scales(model: nn.Module, layer_decay: float) -> dict[int, float]:
@@ -86,12 +91,7 @@ def layer_scales(model: nn.Module, layer_decay: float) -> dict[int, float]:
     head) 1, block i (from 0) layer_decay^(L - i), what comes before them (the embeddings)
     layer_decay^(L + 1). Before and after are told by the order of model.named_parameters(), which follows
     the order the modules were defined in; a weight tied to the embeddings counts once, as an embedding."""
-    blocks = _block_list(model)
-    if blocks is None:
-        raise ConfigError(
-            f"layer_decay={layer_decay} needs a model built of a list of blocks (an nn.ModuleList); "
-            f"{type(model).__name__} has none: use layer_decay=1.0"
-        )
+    blocks = _block_list(model, layer_decay)
     depth_of = {id(p): i + 1 for i, block in enumerate(blocks) for p in block.parameters()}
     count = len(blocks)
     scales, seen_block = {}, False
@@ -298,11 +298,8 @@ def build_optimizer(
     check_choice(f"{scope}.name", cfg.name, OPTIMIZERS)
     cfg.check(scope)
     check_choice("kernel", kernel, KERNELS)
-    if cfg.layer_decay != 1.0 and _block_list(model) is None:
-        raise ConfigError(
-            f"`{scope}.layer_decay={cfg.layer_decay}` decays the rate block by block, and "
-            f"{type(model).__name__} holds no list of blocks (nn.ModuleList): use `{scope}.layer_decay=1.0`"
-        )
+    if cfg.layer_decay != 1.0:
+        _block_list(model, cfg.layer_decay, f"{scope}.layer_decay")  # refused here, naming the key
     if cfg.backend != "cramming":
         names = BACKEND_NAMES[cfg.backend]
         if cfg.name not in names:
