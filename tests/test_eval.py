@@ -439,6 +439,42 @@ def test_layer_decay_reaches_each_task_and_the_recipe_only_when_set(glue_dir):
     assert _with_lr(decayed.eval, 3e-4).layer_decay == 0.8  # a task's own rate keeps the decay
 
 
+def test_eval_dropout_replaces_the_checkpoints_in_the_copy_only_and_enters_the_recipe_when_set(
+    sst2, glue_dir
+):
+    from cramming.eval.finetune import fresh_classifier
+    from cramming.model.bert import SelfAttention
+
+    _, checkpoint = sst2
+    backbone = checkpoint_backbone(checkpoint, ImplConfig(device="cpu"))  # TINY: arch.dropout 0.0
+
+    def rates(module):
+        return {m.p for m in module.modules() if isinstance(m, torch.nn.Dropout)} | {
+            m.dropout_p for m in module.modules() if isinstance(m, SelfAttention)
+        }
+
+    task, cpu = GLUE_TASKS["RTE"], torch.device("cpu")
+    assert rates(fresh_classifier(task, backbone, EvalConfig(tasks=["RTE"]), cpu, seed=0)) == {0.0}
+    changed = fresh_classifier(task, backbone, EvalConfig(tasks=["RTE"], dropout=0.3), cpu, seed=0)
+    assert rates(changed) == {0.3}  # every dropout of encoder and head, attention's included
+    assert rates(backbone.encoder) == {0.0}  # the next task's copy starts from the checkpoint again
+
+    cfg = EvalRunConfig(eval=small_eval(glue_dir, tasks=["RTE"]), checkpoint="run")
+    assert "dropout" not in recipe_of(cfg, "run")["eval"]  # evaluations made before it resume
+    assert recipe_of(replace(cfg, eval=replace(cfg.eval, dropout=0.0)), "run")["eval"]["dropout"] == 0.0
+    for bad in (1.0, -0.1):
+        with pytest.raises(ConfigError, match=r"eval.dropout.*\[0, 1\)"):
+            EvalConfig(tasks=["RTE"], dropout=bad)
+
+    class Wrapped(torch.nn.Module):  # an encoder that cannot set its dropout (a transformers model, e.g.)
+        def forward(self, ids, mask=None, types=None):
+            return torch.zeros(*ids.shape, backbone.hidden_size)
+
+    foreign = replace(backbone, encoder=Wrapped())
+    with pytest.raises(ConfigError, match="eval.dropout=0.2: .*Leave eval.dropout null"):
+        fresh_classifier(task, foreign, EvalConfig(tasks=["RTE"], dropout=0.2), cpu, seed=0)
+
+
 def test_a_requeued_evaluation_takes_up_its_own_runs_and_a_multirun_resumes_job_by_job(
     sst2, tmp_path, glue_dir, monkeypatch
 ):

@@ -89,6 +89,9 @@ class EvalConfig:
     optim: OptimConfig = field(default_factory=_glue_sane_optim)
     # the classifier head (cramming's by default; eval.head.dim=0: a bare linear layer)
     head: HeadConfig = field(default_factory=HeadConfig)
+    # dropout of the encoder (hidden and attention) and of the head while fine-tuning; null: the checkpoint's
+    # arch.dropout (pretraining runs without dropout, fine-tuning with it); 0: fine-tune without dropout
+    dropout: float | None = None
     # batches of similar length (sorted within windows of 50 batches, batch order shuffled): less padding, the
     # same examples per epoch; false: plain random batches (GLUE-sane)
     group_by_length: bool = False
@@ -140,6 +143,12 @@ class EvalConfig:
         for key in ("epochs", "batch_size", "max_length"):
             if getattr(self, key) < 1:
                 raise config_error(f"eval.{key}", getattr(self, key), "use a positive integer")
+        if self.dropout is not None and not 0.0 <= self.dropout < 1.0:
+            raise config_error(
+                "eval.dropout",
+                self.dropout,
+                "use a probability in [0, 1), or null for the checkpoint's arch.dropout",
+            )
         if not 0.0 <= self.warmup < 1.0:
             raise config_error("eval.warmup", self.warmup, "use a fraction in [0, 1)")
         if not self.seeds:

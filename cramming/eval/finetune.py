@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from tokenizers import Tokenizer
 
 from cramming.budget import BudgetClock
-from cramming.errors import RunStopped
+from cramming.errors import ConfigError, RunStopped
 from cramming.eval.backbone import Backbone
 from cramming.eval.config import EvalConfig
 from cramming.eval.glue_metric import load_glue_metric
@@ -169,10 +169,21 @@ def finetune(
 def fresh_classifier(
     task: GlueTask, backbone: Backbone, cfg: EvalConfig, device: torch.device, seed: int
 ) -> SequenceClassifier:
-    """eval.head on a fresh copy of the backbone's encoder, on `device`; `seed` draws the head's weights."""
+    """eval.head on a fresh copy of the backbone's encoder, on `device`; `seed` draws the head's weights.
+    eval.dropout, when set, replaces the checkpoint's dropout in the copy and the head."""
     seed_everything(seed)
     encoder = copy.deepcopy(backbone.encoder)
-    model = SequenceClassifier(encoder, backbone.hidden_size, task.num_labels, backbone.dropout, cfg.head)
+    dropout = backbone.dropout
+    if cfg.dropout is not None:
+        if not hasattr(encoder, "set_dropout"):
+            raise ConfigError(
+                f"eval.dropout={cfg.dropout}: this encoder ({type(encoder).__name__}) has no set_dropout, so its"
+                " dropout cannot be changed here. Leave eval.dropout null; for a transformers folder, edit the"
+                " dropout fields of its config.json instead"
+            )
+        encoder.set_dropout(cfg.dropout)
+        dropout = cfg.dropout
+    model = SequenceClassifier(encoder, backbone.hidden_size, task.num_labels, dropout, cfg.head)
     return model.to(device)
 
 

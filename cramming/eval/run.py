@@ -86,6 +86,8 @@ def recipe_of(cfg: EvalRunConfig, source: str) -> dict:
     del tuning["tasks"], tuning["seeds"]  # which runs there are, not how each runs
     if tuning["optim"]["layer_decay"] == 1.0:  # added later: evaluations made before it still resume
         del tuning["optim"]["layer_decay"]
+    if tuning["dropout"] is None:  # the same
+        del tuning["dropout"]
     if tuning["glue_dir"] is not None:
         tuning["glue_dir"] = str(Path(tuning["glue_dir"]).resolve())
     impl = asdict(cfg.impl)
