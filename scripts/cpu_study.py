@@ -111,6 +111,16 @@ def curve_rows(runs: dict) -> list[str]:
     return rows
 
 
+def last_epoch_losses(results: dict) -> dict[str, float]:
+    """Task -> median over seeds of the last epoch's mean training loss, for runs that recorded it (eval.py
+    since the seventh session of issue 33; older results have no epoch_losses)."""
+    found: dict[str, list[float]] = {}
+    for run in results["runs"]:
+        if run.get("epoch_losses"):
+            found.setdefault(run["task"], []).append(run["epoch_losses"][-1])
+    return {task: float(np.median(values)) for task, values in found.items()}
+
+
 def cell(score: EntryScore | None) -> str:
     if score is None:
         return "—"
@@ -224,6 +234,14 @@ def main(argv: list[str] | None = None) -> None:
         )
         print("|---|---|---|---|---|")
         print("\n".join(margins))
+
+    fits = {label: last_epoch_losses(results) for label, (results, _) in runs.items()}
+    if any(fits.values()):
+        print("\n| model | " + " | ".join(f"{t} last-epoch train loss" for t in TASKS) + " |")
+        print("|---" * (len(TASKS) + 1) + "|")
+        for label, losses in fits.items():
+            cells = ["—" if t not in losses else f"{losses[t]:.3f}" for t in TASKS]
+            print(f"| {label} | " + " | ".join(cells) + " |")
 
     if args.glue_dir is not None:
         print_pair_probes(runs, args.glue_dir)

@@ -95,3 +95,16 @@ def test_the_plot_takes_a_point_whose_median_lies_outside_its_seed_range(tmp_pat
     out = capsys.readouterr().out
     assert "| tiny-30min | 30.0 | 7 | 55.0 | [42.0, 50.0] |" in out
     assert (tmp_path / "out" / "glue_vs_minutes.png").stat().st_size > 0
+
+
+def test_the_fit_table_shows_the_median_last_epoch_loss_of_runs_that_recorded_it(tmp_path, capsys):
+    old = write_eval(tmp_path / "old", {task: [0.5, 0.5, 0.5] for task in METRIC}, 15.0)  # no epoch_losses
+    new = write_eval(tmp_path / "new", {task: [0.5, 0.5, 0.5] for task in METRIC}, 60.0)
+    results = json.loads((new / "glue_results.json").read_text())
+    for run in results["runs"]:
+        run["epoch_losses"] = [0.9, 0.3 + 0.1 * run["seed"]]  # seeds' last epochs 0.3, 0.4, 0.5
+    (new / "glue_results.json").write_text(json.dumps(results))
+    load_script().main([f"tiny-15min={old}", f"tiny-60min={new}"])
+    out = capsys.readouterr().out
+    assert "| tiny-60min | 0.400 | 0.400 | 0.400 | 0.400 | 0.400 |" in out
+    assert "| tiny-15min | — | — | — | — | — |" in out

@@ -265,6 +265,7 @@ def test_fine_tuning_in_bf16_autocast_on_cpu(sst2):
     result = finetune(GLUE_TASKS["SST-2"], splits, checkpoint_backbone(checkpoint, impl), cfg, impl, seed=0)
     labels = np.asarray(subset["label"])
     assert result.metrics["SST-2"]["accuracy"] > max(labels.mean(), 1 - labels.mean()) + 0.1
+    assert len(result.epoch_losses) == 8 and result.epoch_losses[-1] < result.epoch_losses[0]  # it fits
 
 
 def test_length_grouped_epoch_is_a_permutation_of_batches_of_similar_length():

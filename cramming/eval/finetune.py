@@ -122,6 +122,10 @@ class TaskResult:
     # on CUDA this run's peak of allocated GPU memory; on a CPU the process's peak resident memory so far
     # (monotone: an evaluation's peak is its last run's), see cramming.utils.peak_memory_bytes
     peak_memory_bytes: int | None = None
+    # the mean training loss of each epoch (dropout on; a budget-stopped epoch: its updates so far): how well
+    # the model fits the task's training set, which a longer-pretrained checkpoint can do worse at the same
+    # recipe (results/cpu-study.md)
+    epoch_losses: list[float] | None = None
 
 
 def finetune(
@@ -149,7 +153,7 @@ def finetune(
     step = TrainStep(
         model, optimizer, device_type=device.type, dtype=impl.compute_dtype(device), grad_clip=cfg.grad_clip
     )
-    loss_value, stopped, train_seconds = train_epochs(
+    loss_value, epoch_losses, stopped, train_seconds = train_epochs(
         model, step, train, task, backbone, cfg, seed, clock, stop
     )
     metrics = {
@@ -163,6 +167,7 @@ def finetune(
         optimizer_state_bytes=state["state_bytes"],
         optimizer_state_ratio_to_adamw=state["ratio_to_adamw_fp32"],
         peak_memory_bytes=peak_memory_bytes(device),
+        epoch_losses=epoch_losses,
     )  # fmt: skip
 
 
@@ -197,15 +202,16 @@ def train_epochs(
     seed: int,
     clock: BudgetClock | None,
     stop: StopSignals | None,
-) -> tuple[float, bool, float]:
+) -> tuple[float, list[float], bool, float]:
     """The task's epochs over `train`, one log line each, until `clock` (if any) runs out, and a warning for
-    skipped updates: (last loss, stopped by the clock, seconds spent in the epochs). `seed` draws the order
-    of the examples."""
+    skipped updates: (last loss, each epoch's mean loss, stopped by the clock, seconds spent in the epochs).
+    `seed` draws the order of the examples."""
     epochs, _, batch_size = cfg.for_task(task.name)
     schedule = LR_SCHEDULES[cfg.schedule]
     total = epochs * math.ceil(len(train) / batch_size)
     rng = np.random.default_rng(seed)
     loss_value, stopped, train_seconds = float("nan"), False, 0.0
+    epoch_losses: list[float] = []
     model.train()
     for epoch in range(epochs):
         epoch_start = time.perf_counter()
@@ -216,6 +222,7 @@ def train_epochs(
         )  # fmt: skip
         epoch_seconds = time.perf_counter() - epoch_start
         train_seconds += epoch_seconds
+        epoch_losses.append(float(mean_loss))
         log.info(
             "%s seed %d epoch %d/%d: loss %.4f, %.0f examples/s%s",
             task.name, seed, epoch + 1, epochs, mean_loss, len(train) / max(epoch_seconds, 1e-9),
@@ -224,7 +231,7 @@ def train_epochs(
         if stopped:
             break
     warn_skipped_updates(task, seed, step)
-    return loss_value, stopped, train_seconds
+    return loss_value, epoch_losses, stopped, train_seconds
 
 
 def warn_skipped_updates(task: GlueTask, seed: int, step: TrainStep) -> None:
