@@ -5,12 +5,19 @@ never as a bare `kernels`, which is also the name of an unrelated PyPI distribut
 
 The kernel modules (`attention`, `layernorm`) import triton; this file does not, so that the package
 imports on a machine without triton and `triton_status()` can say why the kernels are unavailable.
+
+Python run from the repository root (`python pretrain.py`, `python eval.py`, `python -m pytest`) puts the
+root first on `sys.path`, where this folder would answer a bare `import kernels`, the name of the PyPI
+distribution that transformers imports (`from kernels import ...`). Imported under that name, this file
+loads the distribution in its place, or fails as if the folder were not there (see the end of the file).
 """
 
 from __future__ import annotations
 
+import importlib.machinery
 import importlib.util
 import os
+import sys
 
 
 def triton_status(device_type: str | None = None) -> tuple[bool, str]:
@@ -31,3 +38,27 @@ def triton_status(device_type: str | None = None) -> tuple[bool, str]:
     if torch.cuda.is_available():
         return True, f"CUDA device: {torch.cuda.get_device_name()}"
     return False, "no CUDA device, and TRITON_INTERPRET=1 is not set (set it before importing the kernels)"
+
+
+def _hand_the_bare_name_over() -> None:
+    """Put the `kernels` found on sys.path outside this repository into sys.modules["kernels"].
+
+    The import system returns whatever sys.modules holds for a name once its module has run, so the
+    importer gets the distribution, never this folder under a second name.
+    """
+    root = os.path.realpath(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    elsewhere = [p for p in sys.path if os.path.realpath(p or os.curdir) != root]
+    spec = importlib.machinery.PathFinder.find_spec("kernels", elsewhere)
+    if spec is None or spec.loader is None:
+        raise ModuleNotFoundError(
+            "No module named 'kernels': the repository's kernels/ folder is not it "
+            "(it is cramming.kernels; `pip install kernels` provides the PyPI package of that name)",
+            name="kernels",
+        )
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["kernels"] = module
+    spec.loader.exec_module(module)
+
+
+if __name__ == "kernels":
+    _hand_the_bare_name_over()

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import importlib.util
+import subprocess
+import sys
+from pathlib import Path
 
+import pytest
 import torch
 
 from cramming.kernels import triton_status
@@ -33,3 +37,44 @@ def test_missing_triton_says_so(monkeypatch):
     )
     ok, why = triton_status()
     assert not ok and "pip install triton" in why
+
+
+# Python run from the repository root puts the root first on sys.path, where our kernels/ folder would
+# answer a bare `import kernels`: the name of the PyPI distribution transformers imports. These run Python
+# there, as `python pretrain.py` and `python -m pytest` do.
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_at_root(code: str, *flags: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, *flags, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+
+
+def test_a_bare_import_kernels_at_the_root_finds_the_package_of_that_name_elsewhere(tmp_path):
+    other = tmp_path / "kernels"
+    other.mkdir()
+    (other / "__init__.py").write_text("WHOSE = 'theirs'\n")
+    (other / "sub.py").write_text("WHOSE = 'their submodule'\n")
+    done = run_at_root(
+        f"import sys; sys.path.insert(1, {str(tmp_path)!r})\n"
+        "import kernels, kernels.sub, cramming.kernels\n"
+        "print(kernels.WHOSE, '|', kernels.sub.WHOSE, '|', callable(cramming.kernels.triton_status))\n"
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("|") == ["theirs ", " their submodule ", " True\n"]
+
+
+def test_a_bare_import_kernels_at_the_root_fails_when_no_such_package_is_installed():
+    # -S: no site-packages, so only the repository root could answer
+    done = run_at_root("import kernels", "-S")
+    assert done.returncode != 0
+    assert "ModuleNotFoundError" in done.stderr and "cramming.kernels" in done.stderr
+
+
+@pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="transformers not installed")
+def test_transformers_imports_its_models_from_the_root():
+    # transformers >= 5 imports the `kernels` distribution (when installed) as it loads modeling_utils
+    done = run_at_root("from transformers import PreTrainedModel; print(PreTrainedModel.__name__)")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "PreTrainedModel"
