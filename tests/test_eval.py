@@ -430,19 +430,55 @@ def test_resume_refuses_another_recipe_and_reruns_what_the_budget_cut_short(
     assert report["scores"]["RTE"]["median"] == 0.75
 
 
-def test_layer_decay_reaches_each_task_and_the_recipe_only_when_set(glue_dir):
+def test_resume_reads_a_setting_added_later_as_what_evaluations_saved_without_it_ran_with(
+    sst2, tmp_path, glue_dir, monkeypatch
+):
+    import cramming.eval.finetune as finetuning
+    from cramming.eval.run import ADDED_LATER
+
+    _, checkpoint = sst2
+    cfg = EvalRunConfig(
+        eval=small_eval(glue_dir, tasks=["RTE"]),
+        impl=ImplConfig(device="cpu"),
+        checkpoint=str(checkpoint),
+        base_dir=str(tmp_path),
+        name="glue-z",
+        resume=True,
+    )
+    backbone = checkpoint_backbone(checkpoint, cfg.impl)
+    recipe = recipe_of(cfg, str(backbone.info["checkpoint"]))
+    assert recipe["eval"]["optim"]["layer_decay"] == 1.0 and recipe["eval"]["dropout"] is None  # all recorded
+    old = json.loads(json.dumps(recipe))  # as an evaluation saved before layer_decay and dropout existed
+    del old["eval"]["optim"]["layer_decay"], old["eval"]["dropout"]
+    assert len(ADDED_LATER) == 2
+    finished = {"task": "RTE", "seed": 0, "metrics": {"RTE": {"accuracy": 0.5}}, "train_examples": 48,
+                "steps": 1, "seconds": 1.0, "final_loss": 0.7, "stopped_by_budget": False}  # fmt: skip
+    earlier = tmp_path / "glue-z" / "2026-01-01_00-00-00"
+    earlier.mkdir(parents=True)
+    (earlier / RUNS_JSON).write_text(json.dumps({"recipe": old, "runs": [finished]}))
+
+    def fake(*args, **kwargs):
+        raise AssertionError("a finished run was fine-tuned again")
+
+    monkeypatch.setattr(finetuning, "finetune", fake)
+    report = run_glue(cfg, backbone, tmp_path / "glue-z" / "2026-01-01_00-10-00")
+    assert report["reused_runs"] == 1 and report["scores"]["RTE"]["median"] == 0.5
+
+    decayed = replace(cfg, eval=replace(cfg.eval, optim=replace(cfg.eval.optim, layer_decay=0.8)))
+    with pytest.raises(ConfigError, match=r"eval.optim.layer_decay: 1.0 there, 0.8 here"):
+        run_glue(decayed, backbone, tmp_path / "glue-z" / "2026-01-01_00-20-00")
+
+
+def test_layer_decay_reaches_each_task_and_the_recipe(glue_dir):
     from cramming.eval.finetune import _with_lr
 
     cfg = EvalRunConfig(eval=small_eval(glue_dir, tasks=["RTE"]), checkpoint="run")
-    assert "layer_decay" not in recipe_of(cfg, "run")["eval"]["optim"]  # evaluations made before it resume
     decayed = replace(cfg, eval=replace(cfg.eval, optim=replace(cfg.eval.optim, layer_decay=0.8)))
     assert recipe_of(decayed, "run")["eval"]["optim"]["layer_decay"] == 0.8
     assert _with_lr(decayed.eval, 3e-4).layer_decay == 0.8  # a task's own rate keeps the decay
 
 
-def test_eval_dropout_replaces_the_checkpoints_in_the_copy_only_and_enters_the_recipe_when_set(
-    sst2, glue_dir
-):
+def test_eval_dropout_replaces_the_checkpoints_in_the_copy_only_and_enters_the_recipe(sst2, glue_dir):
     from cramming.eval.finetune import fresh_classifier
     from cramming.model.bert import SelfAttention
 
@@ -461,7 +497,6 @@ def test_eval_dropout_replaces_the_checkpoints_in_the_copy_only_and_enters_the_r
     assert rates(backbone.encoder) == {0.0}  # the next task's copy starts from the checkpoint again
 
     cfg = EvalRunConfig(eval=small_eval(glue_dir, tasks=["RTE"]), checkpoint="run")
-    assert "dropout" not in recipe_of(cfg, "run")["eval"]  # evaluations made before it resume
     assert recipe_of(replace(cfg, eval=replace(cfg.eval, dropout=0.0)), "run")["eval"]["dropout"] == 0.0
     for bad in (1.0, -0.1):
         with pytest.raises(ConfigError, match=r"eval.dropout.*\[0, 1\)"):

@@ -30,6 +30,10 @@ RESULTS_TABLE = "glue_results.md"
 RUNS_JSON = "glue_runs.json"
 # the settings of impl that change what fine-tuning computes (the rest change only its speed)
 IMPL_NUMERICS = ("device", "precision", "attention", "layernorm", "ffn_activation")
+# recipe settings added after evaluations were saved without them, with the value those evaluations ran
+# with: a saved recipe that lacks one reads as that value, so resume=true still takes it up. A setting added
+# to EvalConfig (or its optim) with a default that keeps what fine-tuning did before belongs here.
+ADDED_LATER = {"eval.optim.layer_decay": 1.0, "eval.dropout": None}
 
 
 def checkpoint_backbone(
@@ -84,10 +88,6 @@ def recipe_of(cfg: EvalRunConfig, source: str) -> dict:
     """What a fine-tuning run's result depends on besides its task and seed, as JSON reads it back."""
     tuning = asdict(cfg.eval)
     del tuning["tasks"], tuning["seeds"]  # which runs there are, not how each runs
-    if tuning["optim"]["layer_decay"] == 1.0:  # added later: evaluations made before it still resume
-        del tuning["optim"]["layer_decay"]
-    if tuning["dropout"] is None:  # the same
-        del tuning["dropout"]
     if tuning["glue_dir"] is not None:
         tuning["glue_dir"] = str(Path(tuning["glue_dir"]).resolve())
     impl = asdict(cfg.impl)
@@ -139,7 +139,7 @@ def earlier_runs(
     path = folder / RUNS_JSON
     try:
         saved = json.loads(path.read_text())
-        theirs, kept = flatten(saved["recipe"]), list(saved["runs"])
+        theirs, kept = ADDED_LATER | flatten(saved["recipe"]), list(saved["runs"])
     except (ValueError, KeyError, TypeError, AttributeError) as err:
         raise ConfigError(
             f"resume=true: {path} does not read as an evaluation's runs ({err!r}); move it away to resume the"
