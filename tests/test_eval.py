@@ -16,6 +16,7 @@ from cramming.cluster import SUBMITIT_ENV
 from cramming.data.config import NormalizerConfig, TokenizerConfig
 from cramming.data.tokenizer import SpecialTokens, build_normalizer, train_tokenizer
 from cramming.errors import ConfigError, DataSourceError
+from cramming.eval.backbone import Backbone
 from cramming.eval.config import EvalConfig, EvalRunConfig
 from cramming.eval.finetune import EvaluationStopped, finetune
 from cramming.eval.glue_data import load_local
@@ -383,22 +384,27 @@ def test_a_stop_signal_ends_fine_tuning_after_an_update_and_keeps_the_finished_r
     assert not (tmp_path / "run" / RESULTS_JSON).exists()
 
 
-def test_resume_refuses_another_recipe_and_reruns_what_the_budget_cut_short(
-    sst2, tmp_path, glue_dir, monkeypatch
-):
-    import cramming.eval.finetune as finetuning
-    from cramming.eval.finetune import TaskResult
-
+def resuming_rte(sst2, tmp_path: Path, glue_dir: str, name: str) -> tuple[EvalRunConfig, Backbone]:
+    """An RTE evaluation of the sst2 fixture's checkpoint under `name`, with resume=true, and its backbone."""
     _, checkpoint = sst2
     cfg = EvalRunConfig(
         eval=small_eval(glue_dir, tasks=["RTE"]),
         impl=ImplConfig(device="cpu"),
         checkpoint=str(checkpoint),
         base_dir=str(tmp_path),
-        name="glue-y",
+        name=name,
         resume=True,
     )
-    backbone = checkpoint_backbone(checkpoint, cfg.impl)
+    return cfg, checkpoint_backbone(checkpoint, cfg.impl)
+
+
+def test_resume_refuses_another_recipe_and_reruns_what_the_budget_cut_short(
+    sst2, tmp_path, glue_dir, monkeypatch
+):
+    import cramming.eval.finetune as finetuning
+    from cramming.eval.finetune import TaskResult
+
+    cfg, backbone = resuming_rte(sst2, tmp_path, glue_dir, "glue-y")
     here = tmp_path / "glue-y" / "2026-01-01_00-10-00"
     with pytest.raises(ConfigError, match="no earlier evaluation named 'glue-y'.*drop resume=true"):
         run_glue(cfg, backbone, here)
@@ -436,16 +442,7 @@ def test_resume_reads_a_setting_added_later_as_what_evaluations_saved_without_it
     import cramming.eval.finetune as finetuning
     from cramming.eval.run import ADDED_LATER
 
-    _, checkpoint = sst2
-    cfg = EvalRunConfig(
-        eval=small_eval(glue_dir, tasks=["RTE"]),
-        impl=ImplConfig(device="cpu"),
-        checkpoint=str(checkpoint),
-        base_dir=str(tmp_path),
-        name="glue-z",
-        resume=True,
-    )
-    backbone = checkpoint_backbone(checkpoint, cfg.impl)
+    cfg, backbone = resuming_rte(sst2, tmp_path, glue_dir, "glue-z")
     recipe = recipe_of(cfg, str(backbone.info["checkpoint"]))
     assert recipe["eval"]["optim"]["layer_decay"] == 1.0 and recipe["eval"]["dropout"] is None  # all recorded
     old = json.loads(json.dumps(recipe))  # as an evaluation saved before layer_decay and dropout existed
