@@ -9,7 +9,7 @@ imports on a machine without triton and `triton_status()` can say why the kernel
 Python run from the repository root (`python pretrain.py`, `python eval.py`, `python -m pytest`) puts the
 root first on `sys.path`, where this folder would answer a bare `import kernels`, the name of the PyPI
 distribution that transformers imports (`from kernels import ...`). Imported under that name, this file
-loads the distribution in its place, or fails as if the folder were not there (see the end of the file).
+loads the distribution in its place, or an empty package when none is installed (see the end of the file).
 """
 
 from __future__ import annotations
@@ -44,18 +44,18 @@ def _hand_the_bare_name_over() -> None:
     """Put the `kernels` found on sys.path outside this repository into sys.modules["kernels"].
 
     The import system returns whatever sys.modules holds for a name once its module has run, so the
-    importer gets the distribution, never this folder under a second name.
+    importer gets the distribution, never this folder under a second name. With none installed it gets an
+    empty package with no file and no version, as this folder would read without this file (a namespace
+    package): `from kernels import x` fails, and a probe that found the name and then imports it (as
+    transformers' package check does when no distribution metadata exists) reads it as not installed.
     """
     root = os.path.realpath(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     elsewhere = [p for p in sys.path if os.path.realpath(p or os.curdir) != root]
     spec = importlib.machinery.PathFinder.find_spec("kernels", elsewhere)
-    if spec is None or spec.loader is None:
-        raise ModuleNotFoundError(
-            "No module named 'kernels': the repository's kernels/ folder is not it "
-            "(it is cramming.kernels; `pip install kernels` provides the PyPI package of that name)",
-            name="kernels",
-        )
-    module = importlib.util.module_from_spec(spec)
+    if spec is None:
+        spec = importlib.machinery.ModuleSpec("kernels", None, is_package=True)
+        spec.submodule_search_locations = []  # nothing under it either: our modules are cramming.kernels.*
+    module = importlib.util.module_from_spec(spec)  # gives the empty package a (do-nothing) loader
     sys.modules["kernels"] = module
     spec.loader.exec_module(module)
 
