@@ -26,6 +26,7 @@ from cramming.impl import ImplConfig
 from cramming.model import ArchConfig, build_model
 from cramming.model.checkpoint import resolve_checkpoint, save_pretrained
 from cramming.train.schedules import LR_SCHEDULES, step_progress
+from cramming.utils import flatten
 
 GLUE_DIR = Path(__file__).resolve().parents[2] / "shared" / "data" / "glue"
 TINY = ArchConfig(name="tiny", num_layers=2, hidden_size=64, num_heads=2, intermediate_size=128, dropout=0.0)
@@ -445,9 +446,15 @@ def test_resume_reads_a_setting_added_later_as_what_evaluations_saved_without_it
     cfg, backbone = resuming_rte(sst2, tmp_path, glue_dir, "glue-z")
     recipe = recipe_of(cfg, str(backbone.info["checkpoint"]))
     assert recipe["eval"]["optim"]["layer_decay"] == 1.0 and recipe["eval"]["dropout"] is None  # all recorded
-    old = json.loads(json.dumps(recipe))  # as an evaluation saved before layer_decay and dropout existed
-    del old["eval"]["optim"]["layer_decay"], old["eval"]["dropout"]
-    assert len(ADDED_LATER) == 2
+    old = json.loads(json.dumps(recipe))  # as an evaluation saved before every setting of the table existed
+    for key, value in ADDED_LATER.items():
+        assert flatten(recipe)[key] == value  # the table's value is today's default, what the key did before
+        *parents, leaf = key.split(".")
+        node = old
+        for part in parents:
+            node = node[part]
+        del node[leaf]
+    assert {"eval.optim.layer_decay", "eval.dropout"} <= ADDED_LATER.keys()
     finished = {"task": "RTE", "seed": 0, "metrics": {"RTE": {"accuracy": 0.5}}, "train_examples": 48,
                 "steps": 1, "seconds": 1.0, "final_loss": 0.7, "stopped_by_budget": False}  # fmt: skip
     earlier = tmp_path / "glue-z" / "2026-01-01_00-00-00"
