@@ -19,8 +19,8 @@ from cramming.config import register_configs, validate
 from cramming.eval.backbone import Backbone
 from cramming.eval.config import EvalRunConfig
 from cramming.eval.run import checkpoint_backbone, earlier_evaluation, glue_record, run_glue
+from cramming.job.runcard import RunCard, run_entry_point, run_job
 from cramming.model.checkpoint import resolve_checkpoint
-from cramming.runcard import RunCard, run_entry_point, run_job
 from cramming.trackers.session import start_trackers
 
 log = logging.getLogger("cramming")
@@ -29,7 +29,7 @@ register_configs()
 
 @hydra.main(config_path="conf", config_name="eval", version_base="1.3")
 def main(cfg: DictConfig) -> float | None:
-    # the run card is written however the job ends, and cramming.exits says how it ends (exit codes, signals);
+    # the run card is written however the job ends, and cramming.job.exits says how it ends (exit codes, signals);
     # the GLUE average is what an Optuna search maximizes
     return run_job(evaluate, cfg, kind="eval")
 
@@ -59,7 +59,7 @@ def evaluate(cfg: DictConfig, card: RunCard) -> float | None:
     # W&B, MLflow, TensorBoard (trackers=[...]); resume=true or a requeued job continues the evaluation's runs
     continues = earlier_evaluation(config, run_dir, sweep_job)
     trackers = start_trackers(config.trackers, config.tracking, card, continues)
-    # a stop signal ends it with EvaluationStopped, the finished runs kept in the run folder (cramming.exits)
+    # a stop signal ends it with EvaluationStopped, the finished runs kept in the run folder (cramming.job.exits)
     report = run_glue(config, backbone, run_dir, sweep_job=sweep_job)
     card.record_glue(checkpoint, report)
     trackers.log(glue_record(report))

@@ -15,8 +15,8 @@ from omegaconf import DictConfig
 from cramming.config import PretrainConfig, register_configs, validate
 from cramming.data import PretrainingData, prepare_pretraining_data
 from cramming.eval.anytime import AnytimeEval
-from cramming.exits import RunStopped, stop_at_once
-from cramming.runcard import RunCard, run_entry_point, run_job
+from cramming.job.exits import RunStopped, stop_at_once
+from cramming.job.runcard import RunCard, run_entry_point, run_job
 from cramming.trackers.session import start_trackers
 from cramming.train import checkpoint, distributed
 from cramming.train.loop import TrainResult, train
@@ -28,7 +28,7 @@ register_configs()
 
 @hydra.main(config_path="conf", config_name="pretrain", version_base="1.3")
 def main(cfg: DictConfig) -> float | None:
-    # the run card is written however the job ends, and cramming.exits says how it ends (exit codes, signals);
+    # the run card is written however the job ends, and cramming.job.exits says how it ends (exit codes, signals);
     # the validation loss is what an Optuna search minimizes
     return run_job(pretrain, cfg, kind="pretrain")
 
@@ -61,7 +61,7 @@ def pretrain(cfg: DictConfig, card: RunCard) -> float | None:
         result = train(config, data, run_dir, hooks=hooks, on_record=trackers.log)
     distributed.shutdown()
     card.record_pretraining(result)
-    if result.checkpoint is None:  # stopped by a signal, after saving a resumable state (cramming.exits)
+    if result.checkpoint is None:  # stopped by a signal, after saving a resumable state (cramming.job.exits)
         raise RunStopped(result.stop_reason, f"a resumable state is saved in {run_dir}")
     if ranks.is_main:
         log.info("\n%s", summarize(config, result, data))

@@ -16,12 +16,12 @@ from pathlib import Path
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-from cramming.cluster import job_minutes
 from cramming.data.config import DataConfig
 from cramming.errors import ConfigError, check_choice, config_error
 from cramming.eval.anytime import AnytimeConfig
 from cramming.eval.config import EvalRunConfig
 from cramming.impl import ImplConfig
+from cramming.job.cluster import job_minutes
 from cramming.model.config import ArchConfig
 from cramming.trackers.config import TrackingConfig
 from cramming.trackers.registry import check_trackers

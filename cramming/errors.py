@@ -23,9 +23,13 @@ class WriteFailed(RuntimeError):
     the space needed where it is known, and says what was kept: the previous state or checkpoint stays."""
 
 
+class KernelUnavailableError(RuntimeError):
+    """A Triton kernel was requested with impl.strict_kernels=true but cannot launch here."""
+
+
 class RunStopped(Exception):
     """A job stopped by a signal after keeping what it had (pretraining: a resumable state; evaluation: the
-    finished runs). The entry point ends with cramming.exits.end_stopped."""
+    finished runs). The entry point ends with cramming.job.exits.end_stopped."""
 
     def __init__(self, signal_name: str, what: str = "stopped", resumable: bool = True):
         super().__init__(f"{signal_name} received: {what}")

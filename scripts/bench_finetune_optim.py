@@ -7,7 +7,7 @@ Each row is an optimizer name with optional `key=value` settings of eval.optim (
 defaults). Every row gets its own copy of the checkpoint's encoder with GLUE's classification head, and all
 rows train on the same batches of real MRPC sentence pairs (batch 32, as glue-small). One update is what
 fine-tuning does: forward under the run's autocast, backward, the optimizer step (through the one training
-step of cramming.train.step). After a warm-up, the rows take turns in rounds of `--steps` updates, and each
+step of cramming.optim.step). After a warm-up, the rows take turns in rounds of `--steps` updates, and each
 row's time is the median of its rounds; the ratio to the first row is taken per round (its median is
 reported), so load that comes and goes on a shared machine hits every row alike. GaLore's SVD runs once
 every update_proj_gap updates: its time is measured on its own (the first update of a fresh projector) and
@@ -36,7 +36,7 @@ from cramming.impl import ImplConfig
 from cramming.optim import build_optimizer
 from cramming.optim.config import OptimConfig
 from cramming.optim.report import optimizer_state_report
-from cramming.train.step import TrainStep
+from cramming.optim.step import TrainStep
 
 
 def parse_row(text: str, base: OptimConfig) -> tuple[str, OptimConfig]:

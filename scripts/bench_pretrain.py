@@ -65,7 +65,7 @@ from cramming.optim import OptimConfig, build_optimizer  # noqa: E402
 from cramming.train.batches import microbatches  # noqa: E402
 from cramming.train.config import MLMConfig  # noqa: E402
 from cramming.train.mlm import MLMMasker  # noqa: E402
-from cramming.train.step import TrainStep  # noqa: E402
+from cramming.optim.step import TrainStep  # noqa: E402
 
 SPECIAL = (0, 1, 2, 3, 4)  # [PAD] [UNK] [CLS] [SEP] [MASK], as every tokenizer of the pipeline places them
 MASK_ID = 4
@@ -148,7 +148,7 @@ class Candidate:
 
 
 def make_step(model, optimizer, device: torch.device, dtype: torch.dtype, forward) -> Callable:
-    """One update of the training loop's own step (cramming.train.step), clipping at the recipe's 0.5."""
+    """One update of the training loop's own step (cramming.optim.step), clipping at the recipe's 0.5."""
     train_step = TrainStep(model, optimizer, device_type=device.type, dtype=dtype, grad_clip=0.5)
 
     def step(corrupted: torch.Tensor, labels: torch.Tensor) -> None:

@@ -53,7 +53,7 @@ def seconds_per_log(base_dir: Path, interval: float, records: int = 40) -> float
     """The trackers' own cost of one metrics record, in this process: all three started on a run card, then
     `records` records of a pretraining's shape logged `interval` seconds apart (the time between two log steps
     of a run, so that MLflow's requests bundle as many records as in a run), each call timed."""
-    from cramming.runcard import RunCard
+    from cramming.job.runcard import RunCard
     from cramming.trackers.config import TrackingConfig
     from cramming.trackers.session import start_trackers
 

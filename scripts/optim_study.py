@@ -35,8 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # cpu_study's readers,
 from cpu_study import TASKS, average, cell, entry_scores, load  # noqa: E402
 
 from cramming.eval.scores import EntryScore  # noqa: E402
-from cramming.report import _figure, layout_problems  # noqa: E402
-from cramming.runcard import RUN_CARD, read_metrics  # noqa: E402
+from cramming.job.report import _figure, layout_problems  # noqa: E402
+from cramming.job.runcard import RUN_CARD, read_metrics  # noqa: E402
 
 MIB = 2.0**20
 

@@ -1,4 +1,4 @@
-"""Sweeps as cluster jobs (cramming.cluster, conf/hydra/launcher/): the time limit from the budget, the hand-over
+"""Sweeps as cluster jobs (cramming.job.cluster, conf/hydra/launcher/): the time limit from the budget, the hand-over
 of a stopped job to submitit, and, with submitit's local launcher (the twin of the SLURM one), a pretraining
 sweep whose jobs run as processes of their own, one of them interrupted by the scheduler's signal, requeued
 and finished bit-identical to its uninterrupted twin."""
@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from cramming.cluster import SUBMITIT_ENV, hand_back_to_launcher, job_minutes
+from cramming.job.cluster import SUBMITIT_ENV, hand_back_to_launcher, job_minutes
+from cramming.job.report import build_report
+from cramming.job.runcard import RUN_CARD
 from cramming.model.checkpoint import load_pretrained
-from cramming.report import build_report
-from cramming.runcard import RUN_CARD
 from cramming.train import checkpoint
 
 REPO = Path(__file__).resolve().parent.parent

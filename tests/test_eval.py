@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 import torch
 
-from cramming.cluster import SUBMITIT_ENV
 from cramming.data.config import NormalizerConfig, TokenizerConfig
 from cramming.data.tokenizer import SpecialTokens, build_normalizer, train_tokenizer
 from cramming.errors import ConfigError, DataSourceError
@@ -23,9 +22,10 @@ from cramming.eval.glue_data import load_local
 from cramming.eval.run import RESULTS_JSON, RESULTS_TABLE, RUNS_JSON, checkpoint_backbone, recipe_of, run_glue
 from cramming.eval.tasks import GLUE_TASKS
 from cramming.impl import ImplConfig
+from cramming.job.cluster import SUBMITIT_ENV
 from cramming.model import ArchConfig, build_model
 from cramming.model.checkpoint import resolve_checkpoint, save_pretrained
-from cramming.train.schedules import LR_SCHEDULES, step_progress
+from cramming.optim.schedules import LR_SCHEDULES, step_progress
 from cramming.utils import flatten
 
 GLUE_DIR = Path(__file__).resolve().parents[2] / "shared" / "data" / "glue"

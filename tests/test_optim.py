@@ -24,7 +24,7 @@ from cramming.optim import (
     param_groups,
 )
 from cramming.optim.quant import dequantize_blockwise, first_moment_map, second_moment_map
-from cramming.train.step import TrainStep
+from cramming.optim.step import TrainStep
 
 BASE_NAMES = [
     "adamw",
@@ -444,11 +444,6 @@ def test_check_layerwise_loop_refusals():
         check_layerwise_loop(lw, grad_scaler=True)
     # a normal optimizer passes whatever the loop does
     check_layerwise_loop(build_optimizer(TinyLM(), _cfg("galore_adamw")), grad_scaler=True)
-    # the old keywords (accumulation and DDP used to be refused) still work, with a deprecation warning
-    with pytest.warns(DeprecationWarning, match="grad_accumulation"):
-        check_layerwise_loop(lw, grad_scaler=False, grad_accumulation=2, distributed=False)
-    with pytest.warns(DeprecationWarning, match="TrainStep"):
-        TrainStep(TinyLM(), lw, device_type="cpu", dtype=torch.float32, grad_clip=None, grad_accumulation=2)
 
 
 def test_max_grad_norm_is_refused_without_layerwise():

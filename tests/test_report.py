@@ -11,8 +11,8 @@ from pathlib import Path
 import matplotlib.image
 import pytest
 
-from cramming.report import build_report, collect_runs
-from cramming.runcard import RUN_CARD, RunCard, card_status
+from cramming.job.report import build_report, collect_runs
+from cramming.job.runcard import RUN_CARD, RunCard, card_status
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -136,7 +136,7 @@ def test_a_running_card_whose_process_was_killed_shows_killed(tmp_path):
 
     run = tmp_path / "pretrain" / "2026-01-01_00-00-00"
     writer = (
-        "import sys, time; from pathlib import Path; from cramming.runcard import RunCard;"
+        "import sys, time; from pathlib import Path; from cramming.job.runcard import RunCard;"
         " RunCard(Path(sys.argv[1]), 'pretrain', {}).write(); time.sleep(120)"
     )
     proc = subprocess.Popen([sys.executable, "-c", writer, str(run)])
@@ -199,7 +199,7 @@ def _hand_started_runs(root: Path, count: int) -> None:
 
 @pytest.mark.parametrize("count", [2, 4, 13])
 def test_legends_stay_inside_the_figure_and_off_the_data(tmp_path, count):
-    from cramming.report import (
+    from cramming.job.report import (
         collect_runs,
         layout_problems,
         plot_anytime,
@@ -222,7 +222,7 @@ def test_legends_stay_inside_the_figure_and_off_the_data(tmp_path, count):
 def test_the_layout_check_can_fail(tmp_path):
     from matplotlib.figure import Figure
 
-    from cramming.report import layout_problems
+    from cramming.job.report import layout_problems
 
     fig = Figure(figsize=(4, 3))
     ax = fig.subplots()

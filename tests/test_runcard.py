@@ -15,7 +15,7 @@ from omegaconf import DictConfig, open_dict
 from cramming.budget import BudgetClock
 from cramming.config import register_configs
 from cramming.errors import ConfigError
-from cramming.runcard import RUN_CARD, JobFailed, RunCard, git_state, run_job, split_training_time
+from cramming.job.runcard import RUN_CARD, JobFailed, RunCard, git_state, run_job, split_training_time
 
 REPO = Path(__file__).resolve().parent.parent
 

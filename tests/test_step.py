@@ -9,8 +9,8 @@ import pytest
 import torch
 from test_train import make_config, run_dir, synthetic_data
 
+from cramming.optim.step import TrainStep
 from cramming.train import loop
-from cramming.train.step import TrainStep
 
 
 def model_and_step(grad_clip: float | None = 0.5, dtype: torch.dtype = torch.float32):

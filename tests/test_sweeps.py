@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from cramming.report import build_report
-from cramming.runcard import RUN_CARD
+from cramming.job.report import build_report
+from cramming.job.runcard import RUN_CARD
 
 REPO = Path(__file__).resolve().parent.parent
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"

@@ -20,7 +20,7 @@ import pytest
 from test_train import make_config
 
 from cramming.errors import ConfigError
-from cramming.runcard import RunCard
+from cramming.job.runcard import RunCard
 from cramming.trackers import registry, session
 from cramming.trackers.base import Tracker, numbers
 from cramming.trackers.config import TrackingConfig

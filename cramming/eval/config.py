@@ -13,9 +13,9 @@ from cramming.eval.tasks import GLUE_SANE, GLUE_TASKS
 from cramming.impl import ImplConfig
 from cramming.optim import OPTIMIZERS
 from cramming.optim.config import OptimConfig
+from cramming.optim.schedules import LR_SCHEDULES
 from cramming.trackers.config import TrackingConfig
 from cramming.trackers.registry import check_trackers
-from cramming.train.schedules import LR_SCHEDULES
 
 # fine-tuning runs a known number of steps: the schedules of LR_SCHEDULES that count steps
 SCHEDULES = tuple(name for name, schedule in LR_SCHEDULES.items() if schedule.clock == "steps")
@@ -95,7 +95,7 @@ class EvalConfig:
     # batches of similar length (sorted within windows of 50 batches, batch order shuffled): less padding, the
     # same examples per epoch; false: plain random batches (GLUE-sane)
     group_by_length: bool = False
-    # a steps-* schedule of cramming.train.schedules.LR_SCHEDULES
+    # a steps-* schedule of cramming.optim.schedules.LR_SCHEDULES
     schedule: str = "steps-cosine"
     # fraction of the steps spent warming up linearly
     warmup: float = 0.1

@@ -6,7 +6,7 @@ GLUE head (the final hidden state of [CLS], a 1024-wide dense layer with Tanh, d
 STS-B (regression, mean-squared error).
 Batches are padded only to their longest input. Each (task, seed) starts from a fresh copy of the
 pretrained encoder (a `Backbone`: from a checkpoint, a `transformers` folder, or a model in memory).
-Updates go through the one training step (cramming.train.step) at a rate from the one schedule registry.
+Updates go through the one training step (cramming.optim.step) at a rate from the one schedule registry.
 """
 
 from __future__ import annotations
@@ -35,16 +35,16 @@ from cramming.impl import ImplConfig
 from cramming.optim import build_optimizer
 from cramming.optim.config import OptimConfig
 from cramming.optim.report import optimizer_state_report
-from cramming.train.schedules import LR_SCHEDULES, step_progress
-from cramming.train.signals import StopSignals
-from cramming.train.step import TrainStep
+from cramming.optim.schedules import LR_SCHEDULES, step_progress
+from cramming.optim.step import TrainStep
+from cramming.signals import StopSignals
 from cramming.utils import peak_memory_bytes, seed_everything
 
 log = logging.getLogger("cramming")
 
 
 class EvaluationStopped(RunStopped):
-    """A stop signal (SIGINT, SIGTERM, SIGUSR2: cramming.train.signals) ended the fine-tuning after an update.
+    """A stop signal (SIGINT, SIGTERM, SIGUSR2: cramming.signals) ended the fine-tuning after an update.
 
     The runs finished before it are on disk (run_glue's glue_runs.json); the one under way is dropped."""
 

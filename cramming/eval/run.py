@@ -19,7 +19,7 @@ from cramming.eval.scores import EntryScore, glue_average, markdown_table, summa
 from cramming.eval.tasks import GLUE_TASKS
 from cramming.impl import ImplConfig
 from cramming.model.checkpoint import load_pretrained
-from cramming.train.signals import catch_stop_signals
+from cramming.signals import catch_stop_signals
 from cramming.utils import atomic_write_text, flatten, newest_run_dir
 
 log = logging.getLogger("cramming")
@@ -189,9 +189,9 @@ def finetune_keeping_runs(
 ) -> GlueRuns:
     """finetune_tasks on every seed of cfg.eval.seeds, rewriting RUNS_JSON after each finished (task, seed).
 
-    A stop signal is only noted while the runs go (cramming.train.signals) and acted on after an update, never
+    A stop signal is only noted while the runs go (cramming.signals) and acted on after an update, never
     inside whatever code it lands in: EvaluationStopped, raised once submitit's handler is back in place, so
-    that the entry point can hand a cluster job back for a requeue or exit 128 + the signal (cramming.exits)."""
+    that the entry point can hand a cluster job back for a requeue or exit 128 + the signal (cramming.job.exits)."""
     seeds = [cfg.seed + seed for seed in cfg.eval.seeds]
     finished: list[dict] = []
 
@@ -211,7 +211,7 @@ def finetune_keeping_runs(
     log.warning(
         "%s: %d finished (task, seed) runs are kept in %s", interrupted, len(finished), run_dir / RUNS_JSON
     )
-    raise interrupted  # a cluster job is requeued and takes up its finished runs (cramming.exits.end_stopped)
+    raise interrupted  # a cluster job is requeued and takes up its finished runs (cramming.job.exits.end_stopped)
 
 
 def glue_report(

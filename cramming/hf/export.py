@@ -420,7 +420,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         out = to_transformers(args.checkpoint, args.out, base_dir=args.base_dir, format=args.format)
     except Exception as err:
-        from cramming import exits  # the command line's exit codes, those of pretrain.py and eval.py
+        from cramming.job import exits  # the command line's exit codes, those of pretrain.py and eval.py
 
         code = exits.exit_code(err)
         if code is None:  # a bug: its traceback

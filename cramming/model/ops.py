@@ -16,6 +16,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from cramming.errors import KernelUnavailableError  # noqa: F401  raised here; the exit codes know it by this name
+
 log = logging.getLogger("cramming")
 
 # attention(q, k, v, key_padding_mask, dropout_p, alibi_slopes) -> out; q, k, v, out: (batch, heads, seq,
@@ -31,10 +33,6 @@ GatedActivationFn = Callable[[torch.Tensor], torch.Tensor]
 # loss(logits, labels, ignore_index) -> mean cross-entropy over the labelled rows, an fp32 scalar;
 # logits (n, vocab) in any float dtype, labels (n,) int64
 LossFn = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
-
-
-class KernelUnavailableError(RuntimeError):
-    """A Triton kernel was requested with impl.strict_kernels=true but cannot launch here."""
 
 
 def alibi_bias(slopes: torch.Tensor, seq: int) -> torch.Tensor:

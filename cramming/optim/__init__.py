@@ -24,7 +24,6 @@ import torch
 from torch import nn
 
 from cramming.errors import ConfigError, check_choice
-from cramming.model.bert import LayerNorm as CrammedLayerNorm
 from cramming.optim.adafactor import Adafactor
 from cramming.optim.adamw import KERNELS, AdamW
 from cramming.optim.base import LeanOptimizer, check_layerwise_loop
@@ -50,17 +49,21 @@ __all__ = [
 ]
 
 
-# normalization layers: their gains (and biases) are never decayed
-NORM_LAYERS = (nn.LayerNorm, nn.RMSNorm, nn.GroupNorm, nn.modules.batchnorm._BatchNorm, CrammedLayerNorm)
+# normalization layers: their gains (and biases) are never decayed. A model's own norm class counts when its name
+# ends in "Norm" (ours: cramming.model.bert.LayerNorm; elsewhere RMSNorm, T5LayerNorm, ...), so this library
+# needs no import of any model
+NORM_LAYERS = (nn.LayerNorm, nn.RMSNorm, nn.GroupNorm, nn.modules.batchnorm._BatchNorm)
+
+
+def is_norm_layer(module: nn.Module) -> bool:
+    return isinstance(module, NORM_LAYERS) or type(module).__name__.endswith("Norm")
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     """Split parameters into decayed and not decayed: normalization layers' parameters and biases are not
     decayed; everything else is, the scaled-sinusoid position scale included (cramming's grouping: it is
     not a norm or a bias, though a scalar)."""
-    norms = {
-        id(p) for m in model.modules() if isinstance(m, NORM_LAYERS) for p in m.parameters(recurse=False)
-    }
+    norms = {id(p) for m in model.modules() if is_norm_layer(m) for p in m.parameters(recurse=False)}
     decay, no_decay = [], []
     for name, param in model.named_parameters():
         if not param.requires_grad:
@@ -160,8 +163,14 @@ def lean_param_groups(model: nn.Module, cfg: OptimConfig, *, galore: bool, bits:
 
 
 def _adamw(
-    model: nn.Module, cfg: OptimConfig, *, kernel: str, max_grad_norm: float | None
+    model: nn.Module,
+    cfg: OptimConfig,
+    *,
+    kernel: str,
+    max_grad_norm: float | None,
+    reduce_group: torch.distributed.ProcessGroup | None = None,
 ) -> torch.optim.Optimizer:
+    """torch's AdamW; the loop clips (max_grad_norm) and DDP/FSDP2 reduce (reduce_group) for it."""
     # fused (one kernel for every tensor) when all parameters are plain CUDA tensors: the same update up to
     # rounding; sharded (DTensor) parameters and the CPU keep torch's default
     fused = all(p.is_cuda and type(p.data) is torch.Tensor for p in model.parameters()) or None
@@ -253,6 +262,11 @@ def _bitsandbytes_adamw8bit(model: nn.Module, cfg: OptimConfig) -> torch.optim.O
 BACKEND_NAMES = {"bitsandbytes": {"adamw_8bit": _bitsandbytes_adamw8bit}}
 
 
+# layerwise name -> the same optimizer stepping after backward (the one place the `_layerwise` suffix is composed;
+# a built optimizer says which it is by its `layerwise` attribute)
+LAYERWISE: dict[str, str] = {}
+
+
 def _registry() -> dict[str, Callable[..., torch.optim.Optimizer]]:
     adamw_kinds = {
         "adamw": {"bits": 32, "galore": False},  # only the layerwise form: plain `adamw` is torch's
@@ -269,6 +283,7 @@ def _registry() -> dict[str, Callable[..., torch.optim.Optimizer]]:
         registry[f"{name}_layerwise"] = functools.partial(_lean_adamw, layerwise=True, **kind)
     registry["galore_adafactor"] = functools.partial(_galore_adafactor, layerwise=False)
     registry["galore_adafactor_layerwise"] = functools.partial(_galore_adafactor, layerwise=True)
+    LAYERWISE.update({f"{name}_layerwise": name for name in (*adamw_kinds, "galore_adafactor")})
     return registry
 
 
@@ -308,8 +323,9 @@ def build_optimizer(
                 f"`{scope}.name={cfg.name}`: use `{scope}.backend=cramming`"
             )
         return names[cfg.name](model, cfg)
-    extra = {"reduce_group": reduce_group} if cfg.name.endswith("_layerwise") else {}
-    return OPTIMIZERS[cfg.name](model, cfg, kernel=kernel, max_grad_norm=max_grad_norm, **extra)
+    return OPTIMIZERS[cfg.name](
+        model, cfg, kernel=kernel, max_grad_norm=max_grad_norm, reduce_group=reduce_group
+    )
 
 
 # the library entry points are built on build_optimizer, hence imported after it

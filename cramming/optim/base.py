@@ -45,7 +45,6 @@ gradient is complete, and its gradient is freed at once, so full gradients are n
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -415,12 +414,6 @@ class LeanOptimizer(torch.optim.Optimizer):
         self._step_param(param, param.grad, self.param_groups[self._group_of[id(param)]])
         param.grad = None
 
-    def remove_hooks(self) -> None:
-        """Detach a layerwise optimizer from its parameters (before building another one on them)."""
-        for handle in getattr(self, "_hooks", []):
-            handle.remove()
-        self._hooks = []
-
     def _close_layerwise_step(self) -> None:
         """Step what is still being reduced; then the step's gradient norm, and the checks start afresh."""
         if not self._stepped:  # nothing stepped since the last close (e.g. zero_grad after step)
@@ -465,24 +458,9 @@ def _all_sharded(params: list) -> bool:
     return bool(tensors) and all(is_sharded(p) for p in tensors)
 
 
-def check_layerwise_loop(
-    optimizer: torch.optim.Optimizer,
-    *,
-    grad_scaler: bool,
-    grad_accumulation: int | None = None,
-    distributed: bool | None = None,
-) -> None:
-    """Start-up check the loop calls once: raises ConfigError when a layerwise optimizer cannot do its job.
-    grad_accumulation and distributed are no longer checked (both work: see the module docstring); passing
-    them only warns."""
-    if grad_accumulation is not None or distributed is not None:
-        warnings.warn(
-            "check_layerwise_loop(grad_accumulation=, distributed=) is deprecated and ignored: layerwise "
-            "optimizers now accumulate (optimizer.accumulating) and run under DDP (reduce_group); pass "
-            "grad_scaler only",
-            DeprecationWarning,
-            stacklevel=2,
-        )
+def check_layerwise_loop(optimizer: torch.optim.Optimizer, *, grad_scaler: bool) -> None:
+    """Start-up check the training step makes once: raises ConfigError when a layerwise optimizer cannot do
+    its job (gradient accumulation, DDP and FSDP2 all work: see the module docstring)."""
     if getattr(optimizer, "layerwise", False) and grad_scaler:
         raise ConfigError(
             "`*_layerwise` optimizers see the gradients before a GradScaler could unscale them: use bf16 or "

@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from cramming.errors import ConfigError
-from cramming.optim import build_optimizer
+from cramming.optim import LAYERWISE, build_optimizer
 from cramming.optim.base import is_sharded
 from cramming.optim.config import OptimConfig
 
@@ -93,11 +93,11 @@ class TrainerOptimizer:
             )
 
     def __call__(self, model: nn.Module, name: str = "adamw", **kwargs: Any) -> torch.optim.Optimizer:
-        if name.endswith("_layerwise"):
+        if name in LAYERWISE:
             raise ConfigError(
                 f"`{name}` updates each parameter inside its gradient hook, but Trainer runs backward, then "
                 "clips the gradients (gone by then) and calls optimizer.step(), and may accumulate: use "
-                f"`{name.removesuffix('_layerwise')}` with Trainer, or the layerwise optimizer in your own "
+                f"`{LAYERWISE[name]}` with Trainer, or the layerwise optimizer in your own "
                 "loop (its contract: cramming.optim.base)"
             )
         why = fsdp_in_use(model)

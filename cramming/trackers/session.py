@@ -27,7 +27,7 @@ from cramming.trackers.sweep import sweep_group
 from cramming.utils import atomic_write_text
 
 if TYPE_CHECKING:
-    from cramming.runcard import RunCard
+    from cramming.job.runcard import RunCard
 
 log = logging.getLogger("cramming")
 

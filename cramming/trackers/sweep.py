@@ -2,7 +2,7 @@
 
 W&B: every job's run is in the group `<name>/multirun_<stamp>` (the sweep folder), set by each job itself.
 MLflow: a parent run named so, which the process launching the sweep starts before the first job and ends
-after the last (cramming.sweeps.SweepSummary calls open_sweep and close_sweep); the jobs, in this process or
+after the last (cramming.job.sweeps.SweepSummary calls open_sweep and close_sweep); the jobs, in this process or
 in processes of their own on other machines, find its id in the sweep folder and nest under it. A parent
 that cannot start costs nothing but the nesting: each job is then a run of its own, tagged with its sweep.
 """

@@ -29,9 +29,9 @@ from torch import nn
 
 from cramming.errors import ConfigError
 from cramming.model import ArchConfig
+from cramming.optim.step import TrainStep
+from cramming.train.batches import largest_divisor
 from cramming.train.mlm import MLMMasker
-from cramming.train.schedules import largest_divisor
-from cramming.train.step import TrainStep
 from cramming.utils import atomic_write_text
 
 log = logging.getLogger("cramming")

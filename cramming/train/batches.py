@@ -110,3 +110,34 @@ def numbered(
     for i, input_ids in enumerate(loader):
         first = first_stream_row(start, i, microbatch_size, rank, world_size)
         yield torch.arange(first, first + input_ids.shape[0]), input_ids
+
+
+# ------------------------------------------------------------------------------------- the batch-size ramp
+
+
+def ramped_batch_size(progress: float, batch_size: int, ramp: float, start: int) -> float:
+    """Sequences per update at budget fraction `progress`: rising linearly from `start` (at most batch_size)
+    to `batch_size` at `ramp`; the whole batch from the start when ramp is 0. Defined in sequences, so the
+    micro-batch size does not move it."""
+    start = min(start, batch_size)
+    if ramp <= 0.0 or progress >= ramp:
+        return float(batch_size)
+    return start + (batch_size - start) * progress / ramp
+
+
+def largest_divisor(number: int, at_most: int) -> int:
+    """The largest divisor of `number` that is at most `at_most` (1 at least): the micro-batch that forms a
+    batch of `number` sequences exactly."""
+    return max(d for d in range(1, max(1, min(number, at_most)) + 1) if number % d == 0)
+
+
+def accumulation_steps(
+    progress: float, batch_size: int, microbatch_size: int, ramp: float, start: int = 128
+) -> int:
+    """Micro-batches per update at budget fraction `progress`: ramped_batch_size in whole micro-batches,
+    rounded down during the ramp (at least one), to the nearest at the end. This rounding is the one way
+    impl.microbatch_size touches the recipe: pick a micro-batch that divides train.batch_size (and
+    train.batch_size_start) and two micro-batch sizes train on exactly the same rows."""
+    target = max(1, round(batch_size / microbatch_size))
+    sequences = ramped_batch_size(progress, batch_size, ramp, start)
+    return min(target, max(1, int(sequences // microbatch_size)))

@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 
 from cramming.errors import check_choice, config_error
 from cramming.optim.config import OptimConfig
-from cramming.train.schedules import LR_SCHEDULES, largest_divisor
+from cramming.optim.schedules import LR_SCHEDULES
+from cramming.train.batches import largest_divisor
 
 log = logging.getLogger("cramming")
 
@@ -58,7 +59,7 @@ class TrainConfig:
     batch_size_ramp: float = 0.6
     # sequences per update when the ramp starts (capped at batch_size)
     batch_size_start: int = 128
-    # a name in cramming.train.schedules.LR_SCHEDULES: budget-triangle2 | budget-cosine | budget-constant | steps-linear
+    # a name in cramming.optim.schedules.LR_SCHEDULES: budget-triangle2 | budget-cosine | budget-constant | steps-linear
     lr_schedule: str = "budget-triangle2"
     # fraction of the schedule's clock spent warming up; null: the schedule's own default
     warmup: float | None = None

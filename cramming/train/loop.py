@@ -8,7 +8,7 @@
         run_hooks()       callbacks the entry point passed in (pretrain.py: anytime GLUE evaluation)
       finish()            resumable state, final checkpoint, validation loss
 
-One update is cramming.train.step.TrainStep; masks are keyed by stream row (cramming.train.mlm), so neither
+One update is cramming.optim.step.TrainStep; masks are keyed by stream row (cramming.train.mlm), so neither
 the micro-batch size nor a resume changes what is computed.
 
 The host measures elapsed time while the GPU may still be working through queued micro-batches; the one
@@ -36,15 +36,15 @@ from cramming.errors import ConfigError, TrainingDiverged, WriteFailed
 from cramming.model import ArchConfig, build_model, count_parameters
 from cramming.model import checkpoint as model_checkpoint
 from cramming.optim import build_optimizer, format_state_report, optimizer_state_report
+from cramming.optim.schedules import LR_SCHEDULES, step_progress
+from cramming.optim.step import TrainStep
+from cramming.signals import STOP_SIGNALS, StopSignals, catch_stop_signals
 from cramming.train import autobatch, checkpoint, distributed
-from cramming.train.batches import microbatches, numbered
+from cramming.train.batches import accumulation_steps, microbatches, numbered
 from cramming.train.config import check_batch_division
 from cramming.train.context import context_use
 from cramming.train.context import describe as describe_context_use
 from cramming.train.mlm import MLMMasker, mlm_accuracy_counts, mlm_totals
-from cramming.train.schedules import LR_SCHEDULES, accumulation_steps, step_progress
-from cramming.train.signals import STOP_SIGNALS, StopSignals, catch_stop_signals
-from cramming.train.step import TrainStep
 from cramming.utils import peak_memory_bytes, seed_everything
 
 if TYPE_CHECKING:  # annotations only: the top-level schema also knows eval/, which train/ never imports

@@ -2,7 +2,7 @@
 
 SIGUSR2 is what SLURM sends ahead of a time limit or a preemption when asked to (`--signal=USR2@<seconds>`,
 as the submitit launcher does, conf/hydra/launcher/slurm.yaml); the entry point then hands the stopped job
-back to its launcher for a requeue (cramming.cluster)."""
+back to its launcher for a requeue (cramming.job.cluster)."""
 
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ writes into --out (default: the first folder)
 An Optuna search (hydra/sweeper=optuna) adds its section: the sweeper's optimization_results.yaml (the best
 trial) and one row per trial, with the values it tried and its objective.
 
-A run is a folder with a run_card.json (see cramming.runcard); folders with only a metrics.jsonl (runs from
+A run is a folder with a run_card.json (see cramming.job.runcard); folders with only a metrics.jsonl (runs from
 before run cards) are read too, as far as their files allow. Runs are labelled by the Hydra overrides that
 differ between them, so a sweep's rows and lines are named by what the sweep changed.
 """
@@ -37,7 +37,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from omegaconf import OmegaConf
 
-from cramming.runcard import RUN_CARD, card_status, read_metrics
+from cramming.job.runcard import RUN_CARD, card_status, read_metrics
 
 log = logging.getLogger("cramming")
 

@@ -2,7 +2,7 @@
 the end a summary of its jobs from their run cards, and a non-zero exit when any failed.
 
 Registered in conf/pretrain.yaml and conf/eval.yaml under `hydra.callbacks`. Failed jobs do not stop a
-sweep (see cramming.runcard.run_job); this callback makes sure the failure is still seen at the end.
+sweep (see cramming.job.runcard.run_job); this callback makes sure the failure is still seen at the end.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
-from cramming.runcard import RUN_CARD
+from cramming.job.runcard import RUN_CARD
 from cramming.trackers.sweep import close_sweep, open_sweep
 
 log = logging.getLogger("cramming")

@@ -20,14 +20,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import warnings
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 
 import torch
 from torch import nn
 
-from cramming.optim import check_layerwise_loop
+from cramming.optim.base import check_layerwise_loop
 
 log = logging.getLogger("cramming")
 
@@ -55,19 +54,9 @@ class TrainStep:
         device_type: str,
         dtype: torch.dtype,
         grad_clip: float | None,
-        grad_accumulation: int | None = None,
-        distributed: bool | None = None,
     ):
         """model: the plain module whose parameters the optimizer updates; dtype: the autocast dtype (fp32:
-        no autocast; fp16: with a loss scaler). grad_accumulation and distributed are deprecated and
-        ignored: a layerwise optimizer now handles both (`microbatch`, reduce_group)."""
-        if grad_accumulation is not None or distributed is not None:
-            warnings.warn(
-                "TrainStep(grad_accumulation=, distributed=) is deprecated and ignored: layerwise optimizers "
-                "now accumulate (TrainStep.microbatch) and run under DDP; drop the two arguments",
-                DeprecationWarning,
-                stacklevel=2,
-            )
+        no autocast; fp16: with a loss scaler)."""
         self.model, self.optimizer = model, optimizer
         self.device_type, self.dtype, self.grad_clip = device_type, dtype, grad_clip
         self.scaler = torch.amp.GradScaler(device_type, enabled=dtype == torch.float16)

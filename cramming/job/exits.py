@@ -15,10 +15,16 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import NoReturn
 
-from cramming.cluster import hand_back_to_launcher
-from cramming.errors import ConfigError, DataSourceError, RunStopped, TrainingDiverged, WriteFailed
-from cramming.model.ops import KernelUnavailableError
-from cramming.train.signals import STOP_SIGNALS
+from cramming.errors import (
+    ConfigError,
+    DataSourceError,
+    KernelUnavailableError,
+    RunStopped,
+    TrainingDiverged,
+    WriteFailed,
+)
+from cramming.job.cluster import hand_back_to_launcher
+from cramming.signals import STOP_SIGNALS
 
 __all__ = ["FAILURES", "RunStopped", "end_stopped", "exit_code", "stop_at_once"]
 

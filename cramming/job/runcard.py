@@ -7,7 +7,7 @@ written with status `running` when the job starts and rewritten with `ok`, `fail
 `interrupted` when it ends, so a job killed outright still leaves a card behind.
 
 `run_job` is how an entry point runs its work inside a card. In a multirun a failed job is recorded and
-the sweep goes on to the next job (`cramming.sweeps.SweepSummary` exits non-zero at the end); a single run
+the sweep goes on to the next job (`cramming.job.sweeps.SweepSummary` exits non-zero at the end); a single run
 that fails still exits non-zero.
 """
 
@@ -41,9 +41,9 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from cramming import exits
 from cramming.errors import ConfigError, WriteFailed
 from cramming.impl import DEVICES, DTYPES, ImplConfig, cpu_bf16_support
+from cramming.job import exits
 from cramming.utils import atomic_write_text, process_alive, process_rank
 
 if TYPE_CHECKING:
@@ -75,7 +75,7 @@ PACKAGES = (
 
 class JobFailed(Exception):
     """A run failed for a reason its message explains, with the exit status of a single run; in a multirun the
-    card records the failure instead. (The failures of cramming.exits.FAILURES need no wrapping: run_job
+    card records the failure instead. (The failures of cramming.job.exits.FAILURES need no wrapping: run_job
     gives them their status.)"""
 
     def __init__(self, error: BaseException | str, exit_code: int = 1):
@@ -289,7 +289,7 @@ def run_job(task: Callable[[DictConfig, RunCard], float | None], cfg: DictConfig
     """Run one Hydra job's `task(cfg, card)` inside its run card, written however the job ends. Returns what
     the task returns (the objective an Optuna sweeper reads), None when the job failed.
 
-    How the job ends is decided in cramming.exits: a failure an input explains (exits.exit_code, or a
+    How the job ends is decided in cramming.job.exits: a failure an input explains (exits.exit_code, or a
     JobFailed) is logged as one message; a single run exits with its status, a multirun job is recorded as
     failed and the sweep goes on. Any other exception is a bug: a single run raises it (traceback, exit 1), a
     multirun job logs it and is recorded as failed. A job stopped by a signal (RunStopped) is recorded as
