@@ -18,8 +18,9 @@ from cramming.eval.anytime import AnytimeEval
 from cramming.job.exits import RunStopped, stop_at_once
 from cramming.job.runcard import RunCard, run_entry_point, run_job
 from cramming.trackers.session import start_trackers
-from cramming.train import checkpoint, distributed
+from cramming.train import checkpoint
 from cramming.train.loop import TrainResult, train
+from cramming.train.ranks import init_from_env, local_main_first, rank_zero_value, shutdown
 from cramming.train.summary import summary
 
 log = logging.getLogger("cramming")
@@ -35,10 +36,10 @@ def main(cfg: DictConfig) -> float | None:
 
 def pretrain(cfg: DictConfig, card: RunCard) -> float | None:
     config = validate(cfg)
-    ranks = distributed.init_from_env(config.impl)  # under torchrun: one process per GPU
+    ranks = init_from_env(config.impl)  # under torchrun: one process per GPU
     # one process per machine preprocesses (or finds the cache); the others then load its result. A stop
     # signal here stops at once: the half-built data folder is removed and the card says interrupted
-    with card.timed("data"), distributed.local_main_first(ranks), stop_at_once("preprocessing"):
+    with card.timed("data"), local_main_first(ranks), stop_at_once("preprocessing"):
         data = prepare_pretraining_data(
             config.data, config.data_cache_root, num_proc=config.impl.preprocessing_procs
         )
@@ -53,14 +54,22 @@ def pretrain(cfg: DictConfig, card: RunCard) -> float | None:
         log.info("dryrun: data ready at %s; exiting before training", data.path)
         return None
     # the budget clock starts inside train(): preprocessing above does not count against it
-    run_dir = distributed.rank_zero_value(ranks, Path(HydraConfig.get().runtime.output_dir))  # one for all
+    run_dir = rank_zero_value(ranks, Path(HydraConfig.get().runtime.output_dir))  # one for all
     # W&B, MLflow, TensorBoard (trackers=[...]): before the budget clock starts; a resumed run continues theirs
     continues = checkpoint.continued_run_dir(run_dir, config.resume, config.base_dir, config.name)
     trackers = start_trackers(config.tracker_names, config.tracking, card, continues, main=ranks.is_main)
     with card.timed("train"):
         result = train(config, data, run_dir, hooks=hooks, on_record=trackers.log)
-    distributed.shutdown()
-    card.record_pretraining(result)
+    shutdown()
+    card.record_pretraining(
+        stop_reason=result.stop_reason,
+        updates=result.progress.updates,
+        rows=result.progress.rows,
+        elapsed=result.elapsed,
+        elapsed_before=result.elapsed_before,
+        validation=result.validation,
+        finished=result.checkpoint is not None,
+    )
     if result.checkpoint is None:  # stopped by a signal, after saving a resumable state (cramming.job.exits)
         raise RunStopped(result.stop_reason, f"a resumable state is saved in {run_dir}")
     if ranks.is_main:

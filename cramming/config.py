@@ -17,7 +17,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from cramming.data.config import DataConfig
-from cramming.errors import ConfigError, check_choice, config_error
+from cramming.errors import ConfigError, config_error
 from cramming.eval.anytime import AnytimeConfig
 from cramming.eval.config import EvalRunConfig
 from cramming.impl import ImplConfig
@@ -26,7 +26,6 @@ from cramming.model.config import ArchConfig
 from cramming.trackers.config import TrackingConfig
 from cramming.trackers.registry import check_trackers
 from cramming.train.config import TrainConfig, check_batch_division
-from cramming.train.distributed import PARALLEL
 from cramming.utils import claim_run_dir
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
@@ -60,7 +59,6 @@ class PretrainConfig:
 
     def __post_init__(self) -> None:
         check_trackers(self.trackers)
-        check_choice("impl.distributed", self.impl.distributed, PARALLEL)
         if not self.budget > 0:  # also refuses nan; inf is refused by validate with every other number
             raise config_error(
                 "budget", self.budget, "give the wall-clock budget in hours, e.g. budget=24 or budget=0.1"

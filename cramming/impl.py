@@ -19,6 +19,8 @@ from cramming.model.ops import ATTENTION, FFN_ACTIVATION, LAYERNORM, LOSS
 
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# how the processes of a torchrun launch share the model (cramming.train.parallel.Parallel implements both)
+PARALLEL_MODES = ("ddp", "fsdp2")
 
 
 @dataclass
@@ -52,8 +54,8 @@ class ImplConfig:
     # processes for preprocessing maps (None: all cores)
     num_proc: int | None = None
     # how the processes of a torchrun launch share the model (ignored in a single process): ddp replicates
-    # it and all-reduces gradients; fsdp2 shards parameters, gradients and optimizer state (fully_shard;
-    # train.optim.name=adamw only)
+    # it and all-reduces gradients; fsdp2 shards parameters, gradients and optimizer state (fully_shard), with
+    # every optimizer
     distributed: str = "ddp"
 
     def __post_init__(self) -> None:
@@ -62,8 +64,7 @@ class ImplConfig:
         check_choice("impl.precision", self.precision, ("auto", *DTYPES))
         check_choice("impl.attention", self.attention, ATTENTION)
         check_choice("impl.layernorm", self.layernorm, LAYERNORM)
-        # impl.distributed is checked against the parallelism registry by PretrainConfig (cramming/config.py):
-        # this low-level module does not import the training stack
+        check_choice("impl.distributed", self.distributed, PARALLEL_MODES)
         check_choice("impl.ffn_activation", self.ffn_activation, FFN_ACTIVATION)
         check_choice("impl.loss", self.loss, LOSS)
         if isinstance(self.microbatch_size, str) and self.microbatch_size.isdigit():

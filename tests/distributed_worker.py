@@ -26,8 +26,11 @@ import torch.distributed as dist
 from test_train import FakeClock, make_config, run_dir, synthetic_data
 
 from cramming.errors import ConfigError
+from cramming.impl import PARALLEL_MODES
 from cramming.optim import LeanOptimizer, optimizer_state_report
-from cramming.train import distributed, loop
+from cramming.train import loop
+from cramming.train.parallel import Parallel
+from cramming.train.ranks import shutdown
 
 torch.set_num_threads(1)
 # scenario lowbit: the optimizers run under FSDP2, and how many updates (tests/test_distributed.py compares
@@ -94,14 +97,14 @@ def count_allreduces(per_microbatch: list[int]):
         calls[0] += 1
         return allreduce_hook(None, bucket)
 
-    def make_prepare(prepare_model):
-        def prepare(*args):
-            wrapped = prepare_model(*args)
+    def make_wrap(wrap):
+        def wrapped_with_hook(*args):
+            wrapped = wrap(*args)
             if hasattr(wrapped, "register_comm_hook"):  # a layerwise optimizer reduces without DDP
                 wrapped.register_comm_hook(None, hook)
             return wrapped
 
-        return prepare
+        return wrapped_with_hook
 
     def make_forward_backward(forward_backward):
         def counted(run, input_ids, loss_scale):
@@ -113,7 +116,7 @@ def count_allreduces(per_microbatch: list[int]):
         return counted
 
     stack = contextlib.ExitStack()
-    stack.enter_context(patched(distributed, "prepare_model", make_prepare))
+    stack.enter_context(patched(Parallel, "wrap", make_wrap))
     stack.enter_context(patched(loop, "forward_backward", make_forward_backward))
     return stack
 
@@ -227,7 +230,7 @@ def budget_then_resume(
     with ticking(clock), record_lr(rates):
         reference = loop.train(cfg, data, run_dir(cfg), clock=clock)
     results = {"reference": {**summary(reference), "lr": rates}}
-    other = next(m for m in distributed.PARALLEL if m != mode)
+    other = next(m for m in PARALLEL_MODES if m != mode)
     for leg, resume_mode in (("resumed", mode), ("crossed", other)):
         if leg not in legs:
             continue
@@ -292,7 +295,7 @@ def main() -> None:
             results[f"fsdp2_{name}"] = steps(base, data, *overrides, "impl.distributed=fsdp2")
         for name in RESHARD_OPTIMIZERS:
             optim = (f"train/optim={name}", *(GALORE_SETTINGS if name.startswith("galore") else ()), *cuda)
-            for mode in distributed.PARALLEL:  # 4-bit under FSDP2: also resumed with the same ranks
+            for mode in PARALLEL_MODES:  # 4-bit under FSDP2: also resumed with the same ranks
                 legs = ("resumed", "crossed") if (name, mode) == ("adamw_4bit", "fsdp2") else ("crossed",)
                 prefix = f"{mode}-{name}"
                 results[f"{mode}_{name}_budget"] = budget_then_resume(
@@ -310,7 +313,7 @@ def main() -> None:
             results[f"fsdp2_{name}"] = steps(base, data, *overrides, "impl.distributed=fsdp2")
     if "layerwise" in scenarios:
         for name in LAYERWISE_OPTIMIZERS:
-            for mode in distributed.PARALLEL:
+            for mode in PARALLEL_MODES:
                 overrides = (
                     f"name={mode}-{name}",
                     f"train/optim={name}",
@@ -327,7 +330,7 @@ def main() -> None:
             results["ddp_layerwise_held"] = steps(base, data, *overrides, *cuda)
         results["ddp_layerwise_held"]["most_gradient_bytes"] = max(held)
     (out / f"rank{RANK}.json").write_text(json.dumps(results, indent=1))
-    distributed.shutdown()
+    shutdown()
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Multi-process pretraining (cramming.train.distributed): one torchrun launch of 2 CPU processes (gloo) runs
+"""Multi-process pretraining (cramming.train.parallel): one torchrun launch of 2 CPU processes (gloo) runs
 the scenarios of tests/distributed_worker.py (DDP, 8-bit AdamW and GaLore under DDP, FSDP2; a step-limited run,
 a fake-clock budget run, an interrupted one resumed in the same mode and in the other); the tests read what
 each rank recorded. One more launch runs pretrain.py itself. The unit tests at the end need no second process.
@@ -39,9 +39,11 @@ from cramming.optim import (
     optimizer_state_report,
     reshard,
 )
-from cramming.train import checkpoint, distributed, loop
+from cramming.train import checkpoint, loop, sharded_state
 from cramming.train.batches import RowStream, numbered
 from cramming.train.mlm import MLMMasker
+from cramming.train.parallel import Parallel
+from cramming.train.ranks import Ranks, init_from_env
 from cramming.utils import seed_everything
 
 REPO = Path(__file__).resolve().parent.parent
@@ -482,10 +484,12 @@ def test_a_state_of_two_fsdp2_ranks_resumes_in_one_process(
 
 def test_single_process_makes_no_process_group(tmp_path, monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    ranks = distributed.init_from_env(make_config(tmp_path).impl)
+    ranks = init_from_env(make_config(tmp_path).impl)
     assert not ranks.active and ranks.is_main and not torch.distributed.is_initialized()
     model = torch.nn.Linear(2, 2)
-    assert distributed.prepare_model(model, ranks, "adamw_layerwise", torch.float16) is model
+    parallel = Parallel(ranks)
+    assert parallel.shard(model, torch.float16) is model
+    assert parallel.wrap(model, torch.optim.SGD(model.parameters(), lr=0.1)) is model
 
 
 def test_shards_partition_each_global_microbatch(tmp_path):
@@ -520,12 +524,12 @@ def test_optimizer_state_by_name_and_back(tmp_path):
     )
     model(torch.randn(5, 3)).sum().backward()
     optimizer.step()
-    names = distributed._param_names(model, optimizer)
+    names = sharded_state._param_names(model, optimizer)
     assert names == ["1.weight", "0.weight", "0.bias"]
     state = optimizer.state_dict()
-    named = distributed._by_name(state, names)
+    named = sharded_state._by_name(state, names)
     assert named["param_groups"][1]["params"] == ["0.weight", "0.bias"]
-    back = distributed._by_index(named, names)
+    back = sharded_state._by_index(named, names)
     assert back["param_groups"] == state["param_groups"] and back["state"].keys() == state["state"].keys()
 
 
@@ -549,18 +553,18 @@ def test_a_shard_state_resumes_with_any_ranks_and_mode(caplog):
         model(torch.randn(5, 64)).sum().backward()
         trained.step()
     whole = trained.state_dict()
-    names = distributed._param_names(model, trained)
+    names = sharded_state._param_names(model, trained)
     pieces = [reshard.cut_whole_state(trained, whole["state"], r, 2, names)[0] for r in range(2)]
     saved = {"param_groups": whole["param_groups"], "rank_states": pieces}
 
-    def here(state: dict, ranks: distributed.Ranks, opt: torch.optim.Optimizer | None = None) -> dict:
-        return distributed._optimizer_state_here(model, opt or optimizer(), state, ranks)
+    def here(state: dict, ranks: Ranks, opt: torch.optim.Optimizer | None = None) -> dict:
+        return sharded_state._optimizer_state_here(model, opt or optimizer(), state, ranks)
 
-    fsdp2 = distributed.Ranks(rank=1, world_size=2, mode="fsdp2")
+    fsdp2 = Ranks(rank=1, world_size=2, mode="fsdp2")
     assert here(saved, fsdp2)["state"] is pieces[1]  # the same job shape: as saved
-    assert here(whole, distributed.Ranks()) is whole  # whole tensors for whole tensors: as before
+    assert here(whole, Ranks()) is whole  # whole tensors for whole tensors: as before
     with caplog.at_level(logging.INFO, logger="cramming"):
-        for ranks in (distributed.Ranks(), distributed.Ranks(rank=1, world_size=2, mode="ddp")):
+        for ranks in (Ranks(), Ranks(rank=1, world_size=2, mode="ddp")):
             merged = here(saved, ranks)["state"]  # 2 FSDP2 ranks -> whole tensors: exact (whole blocks)
             for index, entries in whole["state"].items():
                 for key, value in entries.items():
@@ -573,13 +577,13 @@ def test_a_shard_state_resumes_with_any_ranks_and_mode(caplog):
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="cramming"):
         cut = here(whole, fsdp2)["state"]  # whole tensors -> 2 FSDP2 ranks
-        four = here(saved, distributed.Ranks(rank=3, world_size=4, mode="fsdp2"))["state"]  # 2 -> 4 ranks
+        four = here(saved, Ranks(rank=3, world_size=4, mode="fsdp2"))["state"]  # 2 -> 4 ranks
     assert torch.equal(cut[0]["m_codes"], pieces[1][0]["m_codes"])
     assert four[0]["m_codes"].numel() == 16 * 64 and four[1]["exp_avg"].shape == (16,)
     assert "-> 2 FSDP2 ranks" in caplog.text and "-> 4 FSDP2 ranks" in caplog.text
     # the shards of our optimizer's state do not fit another optimizer (torch's AdamW): refused, named
     with pytest.raises(ConfigError, match="train.optim"):
-        here(saved, distributed.Ranks(), torch.optim.AdamW(model.parameters()))
+        here(saved, Ranks(), torch.optim.AdamW(model.parameters()))
 
 
 def test_impl_distributed_is_checked(tmp_path):

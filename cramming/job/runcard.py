@@ -32,7 +32,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 from hydra.core.hydra_config import HydraConfig
@@ -45,9 +44,6 @@ from cramming.errors import ConfigError, WriteFailed
 from cramming.impl import DEVICES, DTYPES, ImplConfig, cpu_bf16_support
 from cramming.job import exits
 from cramming.utils import atomic_write_text, process_alive, process_rank
-
-if TYPE_CHECKING:
-    from cramming.train.loop import TrainResult
 
 log = logging.getLogger("cramming")
 
@@ -206,18 +202,30 @@ class RunCard:
             "seq_length": stats.get("seq_length"),
         }
 
-    def record_pretraining(self, result: TrainResult) -> None:
-        """Final metrics and the time split of a TrainResult, read with the run's metrics.jsonl."""
+    def record_pretraining(
+        self,
+        *,
+        stop_reason: str,
+        updates: int,
+        rows: int,
+        elapsed: float,
+        elapsed_before: float,
+        validation: dict | None,
+        finished: bool,
+    ) -> None:
+        """Final metrics and the time split of a pretraining run (cramming.train.loop.TrainResult's figures),
+        read with the run's metrics.jsonl. elapsed: budget seconds of every part of the run, elapsed_before:
+        of them, those spent before a resume; finished: a final model was written (else interrupted)."""
         records = read_metrics(self.run_dir)
         losses = [r for r in records if "loss" in r]
-        validation = result.validation or {}
+        validation = validation or {}
         anytime = [r for r in records if "anytime_fraction" in r]
         memory = next((r for r in reversed(records) if "optimizer_state_bytes" in r), {})
         self.metrics |= {
-            "stop_reason": result.stop_reason,
-            "updates": result.progress.updates,
-            "budget_hours_spent": result.elapsed / 3600,
-            "tokens": result.progress.rows * self.data.get("seq_length", 0),
+            "stop_reason": stop_reason,
+            "updates": updates,
+            "budget_hours_spent": elapsed / 3600,
+            "tokens": rows * self.data.get("seq_length", 0),
             "loss": losses[-1]["loss"] if losses else None,
             "mlm_acc": losses[-1]["mlm_acc"] if losses else None,
             "val_loss": validation.get("loss"),
@@ -233,12 +241,12 @@ class RunCard:
             losses,
             anytime,
             wall=self.seconds.pop("train", 0.0),
-            budget_spent=result.elapsed - result.elapsed_before,  # by this process: a resumed run's own
-            elapsed_before=result.elapsed_before,
+            budget_spent=elapsed - elapsed_before,  # by this process: a resumed run's own
+            elapsed_before=elapsed_before,
         )
-        if result.checkpoint is None:
+        if not finished:
             self.status = "interrupted"
-            self.error = f"stopped by {result.stop_reason}; resumable state in {self.run_dir}"
+            self.error = f"stopped by {stop_reason}; resumable state in {self.run_dir}"
 
     def record_glue(self, checkpoint: Path, report: dict) -> None:
         """The checkpoint evaluated (and what made it) and the scores of run_glue's report."""

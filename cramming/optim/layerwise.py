@@ -2,7 +2,7 @@
 
 DDP would reduce the gradients in buckets and write them back after the whole backward, into buffers as big
 as the model's gradients: a layerwise optimizer could only step then, holding them all. So under DDP mode a
-layerwise optimizer replaces DDP (the loop does not wrap the model, see cramming.train.distributed):
+layerwise optimizer replaces DDP (the loop does not wrap the model, see cramming.train.parallel.Parallel.wrap):
 `GradientReducer` all-reduces each parameter's gradient from inside its post-accumulate-grad hook
 (asynchronously, at most `window` in flight) and hands it to the optimizer's step as soon as the reduction
 has completed; the step frees the gradient. At most the gradients being reduced, plus those waiting for

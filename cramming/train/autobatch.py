@@ -31,6 +31,7 @@ from cramming.errors import ConfigError
 from cramming.model import ArchConfig
 from cramming.optim.step import TrainStep
 from cramming.train.batches import largest_divisor
+from cramming.train.config import check_batch_division
 from cramming.train.mlm import MLMMasker
 from cramming.utils import atomic_write_text
 
@@ -363,3 +364,36 @@ def search_space(model: nn.Module, device: torch.device, seq_length: int, most: 
 def time_limit_for(budget_hours: float) -> float:
     """Seconds the search may spend: BUDGET_SHARE of the budget, at most MAX_SECONDS."""
     return min(BUDGET_SHARE * budget_hours * 3600.0, MAX_SECONDS)
+
+
+def microbatch_size_for(
+    requested: int | str,
+    model: nn.Module,
+    masker: MLMMasker,
+    device: torch.device,
+    dtype: torch.dtype,
+    seq_length: int,
+    *,
+    base_dir: Path,
+    batch_size: int,
+    budget_hours: float,
+    world_size: int,
+) -> int:
+    """impl.microbatch_size (`requested`), or with `auto` the searched one: at set-up, on the budget's clock,
+    before any optimizer hook. Returned, never written back into the config. Either way it must form
+    train.batch_size exactly on this many processes."""
+    chosen = requested
+    if chosen == "auto":
+        chosen = choose_microbatch(
+            model,
+            masker,
+            device,
+            dtype,
+            seq_length,
+            cache_path=base_dir / CACHE_FILE,
+            most=batch_size,
+            time_limit=time_limit_for(budget_hours),
+            search_allowed=world_size == 1,
+        )
+    check_batch_division(batch_size, chosen, world_size)
+    return chosen
