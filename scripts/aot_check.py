@@ -564,7 +564,6 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["TRITON_CACHE_DIR"] = cache.name
     os.environ["TRITON_INTERPRET"] = "0"
     warnings.filterwarnings("ignore", message="TRITON_DEFAULT_FP_FUSION")
-    sys.path.insert(0, str(REPO))
     import torch
     import triton
 

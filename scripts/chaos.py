@@ -27,11 +27,10 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+from cramming.model.checkpoint import load_pretrained
+from cramming.train import state as train_state
 
-from cramming.model.checkpoint import load_pretrained  # noqa: E402
-from cramming.train import checkpoint  # noqa: E402
+REPO = Path(__file__).resolve().parent.parent
 
 MICROBATCH, BATCH = 8, 32  # 4 micro-batches per update: most signals land in the middle of one
 TEMPORARY = re.compile(r"(\.tmp|\.next|\.partial)$")
@@ -98,8 +97,8 @@ def args_value(args: list[str], key: str) -> str:
 
 
 def state_progress(run_dir: Path | None) -> dict | None:
-    path = None if run_dir is None else run_dir / checkpoint.STATE
-    return checkpoint.load_state(path) if path is not None and path.exists() else None
+    path = None if run_dir is None else run_dir / train_state.STATE
+    return train_state.load_state(path) if path is not None and path.exists() else None
 
 
 def train_wall_seconds(run_dir: Path) -> float | None:
@@ -160,7 +159,7 @@ def run_chaos(workdir: Path, interruptions: int, steps: int, seed: int, rng: ran
 
 
 def latest_state(root: Path) -> Path | None:
-    return checkpoint.find_resumable_state(root.parent, root.name) if root.is_dir() else None
+    return train_state.find_resumable_state(root.parent, root.name) if root.is_dir() else None
 
 
 def resumed(segment: Segment) -> bool:
@@ -170,7 +169,7 @@ def resumed(segment: Segment) -> bool:
 
 def describe(segment: Segment, before: Path | None) -> dict:
     """Where the interruption hit, whether the run left a state the next one can load, and its budget."""
-    loaded = checkpoint.load_state(before) if before else None
+    loaded = train_state.load_state(before) if before else None
     start = loaded["progress"] if loaded else {"updates": 0, "microbatches": 0, "rows": 0}
     state = state_progress(segment.run_dir)
     row = {"kind": segment.kind, "resumed_ok": False, "max_dw": None, "budget_delta": None, "budget_note": ""}
@@ -229,10 +228,10 @@ def stray_files(workdir: Path) -> list[Path]:
 
 def unloadable_states(workdir: Path) -> list[str]:
     bad = []
-    for path in [*workdir.rglob(checkpoint.STATE), *workdir.rglob(checkpoint.PREVIOUS)]:
+    for path in [*workdir.rglob(train_state.STATE), *workdir.rglob(train_state.PREVIOUS)]:
         try:
-            checkpoint.load_state(path)
-        except checkpoint.StateUnreadable as err:
+            train_state.load_state(path)
+        except train_state.StateUnreadable as err:
             bad.append(str(err))
     return bad
 

@@ -6,10 +6,10 @@
 #      and no bias tensor in the kernel's peak memory), and the FLOP-count tests;
 #   2. scripts/aot_check.py --compare-gpu: the AOT compile of every kernel for this GPU's target (bf16)
 #      beside the registers and spills the driver reports for the kernels the launchers really compiled;
-#   3. scripts/bench_kernels.py: attention, LayerNorm, gated GELU and cross-entropy against PyTorch, bf16,
+#   3. scripts/bench/bench_kernels.py: attention, LayerNorm, gated GELU and cross-entropy against PyTorch, bf16,
 #      batch 128, 12 heads, seq 128 and 512, head_dim 64, and attention with ALiBi against the model's SDPA
 #      path with the float bias (SWEEP=1 adds the tile sweep, ~2 minutes more);
-#   4. scripts/bench_pretrain.py: full training steps of crammed-bert at seq 128, micro-batch 128, bf16,
+#   4. scripts/bench/bench_pretrain.py: full training steps of crammed-bert at seq 128, micro-batch 128, bf16,
 #      compiled, against Hugging Face BertForMaskedLM of the closest shape: tokens/s, FLOP/s, MFU against a
 #      matmul peak measured in the same run, peak memory, data-path share (SDPA + torch LayerNorm), then
 #      ours alone with the Triton attention and LayerNorm, to choose the default backends;
@@ -94,7 +94,7 @@ AOT_RC=$?
 
 echo "== benchmarks ($(date -u +%T))"
 SWEEP_FLAG=$([ "${SWEEP:-0}" = 1 ] && echo --sweep)
-stage 100 $PY scripts/bench_kernels.py $SWEEP_FLAG --reps 20 --out "$MD"
+stage 100 $PY scripts/bench/bench_kernels.py $SWEEP_FLAG --reps 20 --out "$MD"
 BENCH_RC=$?
 
 # Training steps: the default fast path (compile, SDPA, torch LayerNorm, fused AdamW) against HF, then ours
@@ -102,13 +102,13 @@ BENCH_RC=$?
 STEP_MD="results/step-cuda-${GPU}.md"
 STEP_TRITON_MD="results/step-cuda-${GPU}-triton.md"
 echo "== training-step benchmark ($(date -u +%T))"
-stage 120 $PY scripts/bench_pretrain.py --arch crammed-bert --microbatch 128 --compile --profile 3 --out "$STEP_MD"
+stage 120 $PY scripts/bench/bench_pretrain.py --arch crammed-bert --microbatch 128 --compile --profile 3 --out "$STEP_MD"
 STEP_RC=$?
-stage 80 $PY scripts/bench_pretrain.py --arch crammed-bert --microbatch 128 --compile --no-hf \
+stage 80 $PY scripts/bench/bench_pretrain.py --arch crammed-bert --microbatch 128 --compile --no-hf \
     --attention triton --layernorm triton --ffn-activation triton --loss triton --rounds 3 --out "$STEP_TRITON_MD"
 echo "== micro-batch search ($(date -u +%T))"
 AUTOBATCH_MD="results/autobatch-${GPU}.md"
-stage 60 $PY scripts/bench_pretrain.py --arch crammed-bert --autobatch --out "$AUTOBATCH_MD"
+stage 60 $PY scripts/bench/bench_pretrain.py --arch crammed-bert --autobatch --out "$AUTOBATCH_MD"
 # Two GPUs, FSDP2, GaLore with 8-bit moments: each rank projects its rows, gathering the whole gradient on
 # projector refreshes (every 10 updates here); proj_type=right shards all of GaLore's state.
 FSDP2_LOG="results/fsdp2-galore-${GPU}.log"

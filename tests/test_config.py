@@ -152,7 +152,8 @@ def test_no_config_names_an_absolute_path():
 
 def test_no_script_or_entry_point_names_a_machines_folder():
     root = CONF_DIR.parent
-    files = [*sorted((root / "scripts").iterdir()), root / "pretrain.py", root / "eval.py", root / "Makefile"]
+    scripts = sorted(path for path in (root / "scripts").rglob("*") if path.suffix in (".py", ".sh", ".md"))
+    files = [*scripts, root / "pretrain.py", root / "eval.py", root / "Makefile"]
     found = [
         f"{path.relative_to(root)}:{n}: {line.strip()}"
         for path in files

@@ -1,23 +1,19 @@
-"""scripts/cpu_study.py: the study's tables from evaluation folders."""
+"""scripts/studies/cpu_study.py: the study's tables from evaluation folders."""
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import json
 from pathlib import Path
 
 from cramming.eval.tasks import GLUE_TASKS
 
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "cpu_study.py"
 # each task's score in the GLUE average, from the task registry
 METRIC = {task: GLUE_TASKS[task].metrics[0] for task in ("SST-2", "MRPC", "STS-B", "RTE", "CoLA")}
 
 
 def load_script():
-    spec = importlib.util.spec_from_file_location("cpu_study", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return importlib.import_module("scripts.studies.cpu_study")
 
 
 def write_eval(folder: Path, scores: dict[str, list[float]], minutes: float) -> Path:

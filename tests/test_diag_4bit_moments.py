@@ -1,11 +1,10 @@
-"""scripts/diag_4bit_moments.py: pretraining with one adamw_4bit moment in 4 bits and the other in fp32 (the
-diagnostic of results/glue-optimizers.md). The fp32 moment must follow Adam's recursion exactly; the 4-bit
-one must be what the optimizer codes."""
+"""scripts/studies/diag_4bit_moments.py: pretraining with one adamw_4bit moment in 4 bits and the other in
+fp32 (the diagnostic of results/glue-optimizers.md). The fp32 moment must follow Adam's recursion exactly;
+the 4-bit one must be what the optimizer codes."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
+import importlib
 
 import pytest
 import torch
@@ -14,15 +13,11 @@ from torch import nn
 from cramming.optim import OptimConfig, build_optimizer
 from cramming.optim import adamw as adamw_module
 
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "diag_4bit_moments.py"
 BETAS = (0.9, 0.99)
 
 
 def load_script():
-    spec = importlib.util.spec_from_file_location("diag_4bit_moments", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return importlib.import_module("scripts.studies.diag_4bit_moments")
 
 
 @pytest.mark.parametrize("quantized", ["first", "second"])

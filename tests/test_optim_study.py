@@ -1,8 +1,8 @@
-"""scripts/optim_study.py: the optimizer study's tables from evaluation and pretraining folders."""
+"""scripts/studies/optim_study.py: the optimizer study's tables from evaluation and pretraining folders."""
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import json
 import math
 from pathlib import Path
@@ -11,16 +11,12 @@ import pytest
 
 from cramming.eval.tasks import GLUE_TASKS
 
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "optim_study.py"
 TASKS = ("SST-2", "MRPC", "STS-B", "RTE", "CoLA")
 METRIC = {task: GLUE_TASKS[task].metrics[0] for task in TASKS}
 
 
 def load_script():
-    spec = importlib.util.spec_from_file_location("optim_study", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return importlib.import_module("scripts.studies.optim_study")
 
 
 def write_eval(folder: Path, scores: dict[str, list[float]], state: int, ratio: float) -> str:

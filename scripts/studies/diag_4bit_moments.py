@@ -1,8 +1,8 @@
 """Pretraining with only one of adamw_4bit's two moments in 4 bits, the other in fp32: which moment costs
 held-out loss at equal updates (results/glue-optimizers.md, "4-bit: does it fall behind, and why").
 
-    python scripts/diag_4bit_moments.py first  +sweep=cpu-study arch=bert-tiny train/optim=adamw_4bit ...
-    python scripts/diag_4bit_moments.py second +sweep=cpu-study arch=bert-tiny train/optim=adamw_4bit ...
+    python scripts/studies/diag_4bit_moments.py first  +sweep=cpu-study arch=bert-tiny train/optim=adamw_4bit ...
+    python scripts/studies/diag_4bit_moments.py second +sweep=cpu-study arch=bert-tiny train/optim=adamw_4bit ...
 
 `first` keeps the first moment in adamw_4bit's 4-bit format (block, round to nearest) and the second in fp32;
 `second` the reverse. Everything after the first word goes to pretrain.py as Hydra overrides. The fp32 moment
@@ -18,11 +18,8 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-from cramming.optim import adamw as adamw_module  # noqa: E402
-from cramming.optim.lowbit import (  # noqa: E402
+from cramming.optim import adamw as adamw_module
+from cramming.optim.lowbit import (
     _adamw_step,
     _decode_m4,
     _decode_v4,
@@ -30,7 +27,9 @@ from cramming.optim.lowbit import (  # noqa: E402
     _encode_v4,
     _fp32_work,
 )
-from cramming.optim.quant import rank1_shape  # noqa: E402
+from cramming.optim.quant import rank1_shape
+
+REPO = Path(__file__).resolve().parents[2]
 
 QUANTIZED = ("first", "second")
 

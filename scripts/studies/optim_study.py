@@ -1,20 +1,21 @@
 """Tables and a plot of the optimizer study (results/glue-optimizers.md) from its run folders.
 
 GLUE fine-tuning, one evaluation folder (eval.py's glue_results.json) per optimizer row, the reference row
-first (AdamW on the same checkpoint, seeds and recipe):
+first (AdamW on the same checkpoint, seeds and recipe). It reads evaluations with cpu_study's readers, so it
+runs as a module from the repository root:
 
-    python scripts/optim_study.py glue adamw=outputs/gopt-tiny-adamw/<stamp> \
+    python -m scripts.studies.optim_study glue adamw=outputs/gopt-tiny-adamw/<stamp> \
         adamw_8bit=outputs/gopt-tiny-adamw_8bit/<stamp> ... --title bert-tiny --plot results/glue-optimizers-tiny.png
 
 Pretraining at equal updates, one label per optimizer and a comma-separated list of its runs (one per seed),
 the reference first:
 
-    python scripts/optim_study.py pretrain adamw=outputs/popt-tiny-adamw-seed0/<stamp>,outputs/... ...
+    python -m scripts.studies.optim_study pretrain adamw=outputs/popt-tiny-adamw-seed0/<stamp>,outputs/... ...
 
 Per GLUE row: each task's median over seeds [min, max], the five-task average of the medians and its
 difference to the reference, the tasks that fall below the reference by more than the larger of the two seed
 spreads (max - min), the optimizer state measured from its tensors after fine-tuning (and as % of AdamW's
-fp32 moments) and the fine-tuning process's peak memory (update times: scripts/bench_finetune_optim.py).
+fp32 moments) and the fine-tuning process's peak memory (update times: scripts/bench/bench_finetune_optim.py).
 Per pretraining row: held-out MLM loss and perplexity (mean over seeds, each seed listed), the perplexity's
 difference to the reference in %, the context-use gain, state, peak memory and milliseconds per update.
 """
@@ -25,18 +26,14 @@ import argparse
 import json
 import math
 import statistics
-import sys
 from pathlib import Path
 
 from matplotlib.text import Text
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # cpu_study's readers, when imported by the tests
-
-from cpu_study import TASKS, average, cell, entry_scores, load  # noqa: E402
-
-from cramming.eval.scores import EntryScore  # noqa: E402
-from cramming.job.report import _figure, layout_problems  # noqa: E402
-from cramming.job.runcard import RUN_CARD, read_metrics  # noqa: E402
+from cramming.eval.scores import EntryScore
+from cramming.job.report import _figure, layout_problems
+from cramming.job.runcard import RUN_CARD, read_metrics
+from scripts.studies.cpu_study import TASKS, average, cell, entry_scores, load
 
 MIB = 2.0**20
 
@@ -64,7 +61,7 @@ def seed_averages(scores: dict[str, EntryScore]) -> list[float]:
 
 def run_figures(results: dict) -> dict:
     """State bytes and their ratio to AdamW's (the largest over the runs: the task heads differ by a few
-    hundred parameters) and the process's peak memory. Update times come from scripts/bench_finetune_optim.py,
+    hundred parameters) and the process's peak memory. Update times come from scripts/bench/bench_finetune_optim.py,
     which measures the optimizers side by side: the runs' own times depend on what ran beside each."""
     runs = results["runs"]
     states = [run.get("optimizer_state_bytes") for run in runs]

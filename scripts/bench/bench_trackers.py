@@ -2,7 +2,7 @@
 (W&B offline, MLflow into an SQLite file) against none, in runs that alternate (ABBA order per round, so a
 drift in the machine's load falls on both), several rounds. Prints every run and the ratio of the medians.
 
-    python scripts/bench_trackers.py --rounds 4
+    python scripts/bench/bench_trackers.py --rounds 4
 
 Throughput is measured between the first and the last metrics record of a run: the updates with their
 logging (where the trackers work, on the main thread, at log steps) and nothing of the set-up, the trackers'
@@ -21,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 TRACKERS = "[tensorboard,wandb,mlflow]"
 SEQ, BATCH = 64, 16  # tokens per row, rows per update
 # a tiny pretraining on the embedded corpus: a fixed number of updates on one CPU thread

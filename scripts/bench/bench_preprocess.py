@@ -1,6 +1,6 @@
 """Preprocessing throughput and peak memory on one shard of the shared Wikipedia data.
 
-    python scripts/bench_preprocess.py [--shard PATH] [--vocab 32768] [--num-proc 2]
+    python scripts/bench/bench_preprocess.py [--shard PATH] [--vocab 32768] [--num-proc 2]
 
 Each phase runs in a fresh child process, so its peak memory (its own plus its worker processes') is its
 alone. The reference, measured in the same run, is the floor any pipeline pays: decompressing and parsing
@@ -18,7 +18,7 @@ import tempfile
 import textwrap
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 DEFAULT_SHARD = REPO.parent / "shared" / "data" / "wikipedia-en-2015" / "train-00000-of-00012.jsonl.gz"
 
 # Runs in the child: does the work, then prints one JSON line with wall time and peak memory.
@@ -128,7 +128,7 @@ def main() -> None:
         f"Machine: {os.cpu_count()} cores; 1-minute load average {load_before:.1f} before and "
         f"{os.getloadavg()[0]:.1f} after the run (other work slows every phase, the reference too).",
         "",
-        f"Command: `python scripts/bench_preprocess.py --vocab {args.vocab} --num-proc {args.num_proc}`",
+        f"Command: `python scripts/bench/bench_preprocess.py --vocab {args.vocab} --num-proc {args.num_proc}`",
     ]
     report = "\n".join(lines) + "\n"
     print(report)

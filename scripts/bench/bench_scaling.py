@@ -1,8 +1,8 @@
 """Tokens per second of pretraining updates on 1 vs N GPUs (DDP or FSDP2): the multi-GPU scaling check.
 
-    torchrun --standalone --nproc_per_node=1 scripts/bench_scaling.py                 # the 1-GPU baseline
-    torchrun --standalone --nproc_per_node=8 scripts/bench_scaling.py --mode fsdp2
-    for n in 1 2 4 8; do torchrun --standalone --nproc_per_node=$n scripts/bench_scaling.py --out results/scaling.md; done
+    torchrun --standalone --nproc_per_node=1 scripts/bench/bench_scaling.py                 # the 1-GPU baseline
+    torchrun --standalone --nproc_per_node=8 scripts/bench/bench_scaling.py --mode fsdp2
+    for n in 1 2 4 8; do torchrun --standalone --nproc_per_node=$n scripts/bench/bench_scaling.py --out results/scaling.md; done
 
 Each rank trains crammed-bert (or --arch) on random token rows (sequence 128, vocabulary 32768, the bert-o4
 masking) with the loop's own pieces: cramming.train.distributed for the process group, the DDP / FSDP2
@@ -34,7 +34,7 @@ from cramming.train import distributed
 from cramming.train.config import MLMConfig
 from cramming.train.mlm import MLMMasker
 
-CONF = Path(__file__).resolve().parent.parent / "conf" / "arch"
+CONF = Path(__file__).resolve().parents[2] / "conf" / "arch"
 
 
 def load_arch(name: str) -> ArchConfig:

@@ -1,10 +1,10 @@
 """Optimizer state per rank under DDP and FSDP2, measured from the state tensors after one step (2 CPU ranks).
 
-    torchrun --standalone --nproc_per_node=2 scripts/fsdp2_state_memory.py [--arch bert-base] [--vocab 32768]
+    torchrun --standalone --nproc_per_node=2 scripts/studies/fsdp2_state_memory.py [--arch bert-base] [--vocab 32768]
         [--optimizers adamw adamw_8bit ...] [--modes ddp fsdp2]
 
 Builds the model of `arch` on every rank, wraps it as `impl.distributed=ddp` or shards it as
-`impl.distributed=fsdp2` does (distributed.prepare_model), gives each parameter a
+`impl.distributed=fsdp2` does (cramming.train.parallel.Parallel.shard), gives each parameter a
 random gradient, takes one step of each optimizer and prints, on rank 0, a markdown row per optimizer: the
 whole state of one process (predicted exactly, as the start-up log line does), what each rank holds, and
 what each rank holds (one process's state under DDP, a shard's under FSDP2). No data and no forward pass.
@@ -22,7 +22,8 @@ from cramming.config import CONF_DIR, register_configs, validate
 from cramming.impl import ImplConfig
 from cramming.model import build_model
 from cramming.optim import build_optimizer, optimizer_state_report
-from cramming.train import distributed
+from cramming.train.parallel import Parallel
+from cramming.train.ranks import Ranks, init_from_env, shutdown
 
 # row label -> train/optim and overrides; GaLore at its default rank 128, with the config's `std` sides
 # (FFN down, 768 x 3072, is projected on the left: replicated moments) and with every weight on the right
@@ -46,13 +47,11 @@ def config(arch: str, optim: str, *overrides: str):
         return validate(compose("pretrain", overrides=overrides))
 
 
-def per_rank_bytes(cfg, vocab: int, ranks: distributed.Ranks) -> tuple[int, list[int], int]:
+def per_rank_bytes(cfg, vocab: int, ranks: Ranks) -> tuple[int, list[int], int]:
     """(one process's state bytes, each rank's measured state bytes, parameters)."""
     torch.manual_seed(0)
     whole = optimizer_state_report(build_optimizer(build_model(cfg.arch, vocab), cfg.train.optim))
-    model = distributed.prepare_model(
-        build_model(cfg.arch, vocab), ranks, cfg.train.optim.name, torch.float32
-    )
+    model = Parallel(ranks).shard(build_model(cfg.arch, vocab), torch.float32)
     optimizer = build_optimizer(model, cfg.train.optim)
     for param in model.parameters():
         param.grad = torch.ones_like(param)  # the state's size does not depend on the values
@@ -74,7 +73,7 @@ def main() -> None:
     args = parser.parse_args()
     rows = []
     for mode in args.modes:
-        ranks = distributed.init_from_env(ImplConfig(device="cpu", distributed=mode))
+        ranks = init_from_env(ImplConfig(device="cpu", distributed=mode))
         for optim in args.optimizers:
             whole, each, params = per_rank_bytes(config(args.arch, *OPTIMIZERS[optim]), args.vocab, ranks)
             share = params / ranks.world_size if mode == "fsdp2" else params  # parameters a rank updates
@@ -91,7 +90,7 @@ def main() -> None:
         )
         print("|---|---|---:|---|---:|")
         print("\n".join(rows))
-    distributed.shutdown()
+    shutdown()
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """Time the Triton kernels against PyTorch at BERT shapes and write a markdown table.
 
-    python scripts/bench_kernels.py              # GPU: batch 128, 12 heads, seq 128 and 512, head_dim 64, bf16
-    python scripts/bench_kernels.py --sweep      # also time a few attention tile sizes
-    python scripts/bench_kernels.py --smoke      # CPU: tiny shapes in the Triton interpreter (timings meaningless)
+    python scripts/bench/bench_kernels.py              # GPU: batch 128, 12 heads, seq 128 and 512, head_dim 64, bf16
+    python scripts/bench/bench_kernels.py --sweep      # also time a few attention tile sizes
+    python scripts/bench/bench_kernels.py --smoke      # CPU: tiny shapes in the Triton interpreter (timings meaningless)
 
 Attention: ours (with and without a key-padding mask) against SDPA's flash backend (the reference; it
 takes no mask), SDPA's memory-efficient backend with the mask, and eager PyTorch. Attention with ALiBi
@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
 if not CUDA:
@@ -328,7 +328,7 @@ def main() -> int:
         lines += [f"**{INTERPRETER_WARNING}**", ""]
     lines += [
         f"torch {torch.__version__}, triton {triton.__version__}, {args.dtype}; medians of {args.reps} runs "
-        f"after {args.warmup} warm-up runs; written by `scripts/bench_kernels.py`.",
+        f"after {args.warmup} warm-up runs; written by `scripts/bench/bench_kernels.py`.",
         "",
     ]
     attention_ref = "SDPA flash" if CUDA else "eager"

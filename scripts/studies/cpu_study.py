@@ -3,7 +3,7 @@
 Each evaluation folder holds glue_results.json (eval.py writes it), which also carries the pretraining run's
 updates, time and held-out MLM / context-use figures. Give each folder a label:
 
-    python scripts/cpu_study.py tiny-60=outputs/cpu-study-glue-tiny-60min/<timestamp> \
+    python scripts/studies/cpu_study.py tiny-60=outputs/cpu-study-glue-tiny-60min/<timestamp> \
         tiny-scratch=outputs/cpu-study-glue-tiny-scratch/<timestamp> ... --out results/cpu-study
 
 Prints markdown tables (GLUE dev scores per task: median over seeds, [min, max]; pretraining figures; time

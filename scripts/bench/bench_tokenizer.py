@@ -1,6 +1,6 @@
 """What the alphabet settings do to a WordPiece vocabulary trained on the shared Wikipedia data.
 
-    RAYON_NUM_THREADS=1 python scripts/bench_tokenizer.py [--shards 1 6] [--vocab 32768] [--heldout 11]
+    RAYON_NUM_THREADS=1 python scripts/bench/bench_tokenizer.py [--shards 1 6] [--vocab 32768] [--heldout 11]
 
 For each training set (the first N shards) and each setting, trains the project's tokenizer
 (`cramming.data.tokenizer.train_tokenizer`) on the normalized articles, as the pipeline does (without its
@@ -29,7 +29,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 WIKI = REPO.parent / "shared" / "data" / "wikipedia-en-2015"
 
 SETTINGS = {

@@ -6,9 +6,9 @@ processed dataset, with the package's model, MLM masker and context-use diagnost
 It is deliberately simpler than pretrain.py (no budget schedule, no checkpoints) so each knob can be flipped
 alone; results/cpu-study.md lists the probes that were run and what they showed.
 
-    python scripts/plateau_probe.py --data outputs/data/<folder> --seconds 400                 # bert-tiny as is
-    python scripts/plateau_probe.py --data outputs/data/<folder> --set attention_bias=alibi    # + distance bias
-    python scripts/plateau_probe.py --data outputs/data/<folder> --set init_std=0.088 --lr 3e-3
+    python scripts/studies/plateau_probe.py --data outputs/data/<folder> --seconds 400                 # bert-tiny as is
+    python scripts/studies/plateau_probe.py --data outputs/data/<folder> --set attention_bias=alibi    # + distance bias
+    python scripts/studies/plateau_probe.py --data outputs/data/<folder> --set init_std=0.088 --lr 3e-3
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from cramming.train.config import MLMConfig
 from cramming.train.context import context_use
 from cramming.train.mlm import MLMMasker
 
-CONF = Path(__file__).resolve().parent.parent / "conf" / "arch"
+CONF = Path(__file__).resolve().parents[2] / "conf" / "arch"
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,8 +1,8 @@
 """The cramming question: for the same wall-clock budget on the same data, how far does each recipe get?
 
-    python scripts/bench_budget.py                         # CPU: tiny shapes, 10 minutes per recipe
-    python scripts/bench_budget.py --minutes 5 --threads 1 # a loaded machine
-    python scripts/bench_budget.py --gpu                   # GPU: full shapes (crammed-bert vs bert-base)
+    python scripts/bench/bench_budget.py                         # CPU: tiny shapes, 10 minutes per recipe
+    python scripts/bench/bench_budget.py --minutes 5 --threads 1 # a loaded machine
+    python scripts/bench/bench_budget.py --gpu                   # GPU: full shapes (crammed-bert vs bert-base)
 
 Each recipe is an ordinary `python pretrain.py` run (the normal data pipeline and training loop, its budget
 clock, its own masking), one after the other. The data is the shared Wikipedia shards through the `local`
@@ -36,7 +36,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 WIKI = "../shared/data/wikipedia-en-2015/train-0000[01]-of-00012.jsonl.gz"
 
 CPU_SHAPE = ["arch.num_layers=2", "arch.hidden_size=64", "arch.num_heads=2", "arch.intermediate_size=256"]
@@ -162,7 +162,7 @@ def main() -> None:
     lines = [
         f"# Budget benchmark ({kind}): same wall-clock budget, same data",
         "",
-        f"`python scripts/bench_budget.py {' '.join(sys.argv[1:])}` on {os.uname().nodename.split('.')[0]},"
+        f"`python scripts/bench/bench_budget.py {' '.join(sys.argv[1:])}` on {os.uname().nodename.split('.')[0]},"
         f" {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}: {args.minutes:g} minutes of budget per recipe,"
         f" batch {args.batch}, micro-batch {args.microbatch}, vocabulary {args.vocab}, data `{args.files}`"
         + (
@@ -182,7 +182,7 @@ def main() -> None:
             f"| {name} | {t['updates']} | {t['tok_per_s']:,.0f} | {t['train_loss']:.3f} | {loss15:.3f} |"
             f" {acc15:.3f} | {loss25:.3f} | {acc25:.3f} |"
         )
-    lines += ["", "Recipes (see the docstring of scripts/bench_budget.py):", ""]
+    lines += ["", "Recipes (see the docstring of scripts/bench/bench_budget.py):", ""]
     for name in args.recipes:
         lines.append(f"- {name}: `{' '.join(RECIPES[name][kind] + RECIPES[name]['train'])}`")
     out.parent.mkdir(parents=True, exist_ok=True)

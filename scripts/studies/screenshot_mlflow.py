@@ -1,7 +1,7 @@
 """What a user sees of a sweep in MLflow: a local tracking server, a two-job tiny pretraining sweep logged to it
 (trackers=[mlflow]), and a headless Chromium screenshot of the experiment page with the sweep's runs.
 
-    python scripts/screenshot_mlflow.py --out results/mlflow-sweep.png
+    python scripts/studies/screenshot_mlflow.py --out results/mlflow-sweep.png
 
 Needs mlflow (pip install -e .[trackers]) and a Chromium (Debian: apt-get install chromium). Everything else
 (the server's SQLite store, the runs) goes into a temporary folder, removed at the end; --keep leaves the server
@@ -22,7 +22,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 # two tiny pretrainings on the embedded corpus that differ in their learning rate: a minute on one CPU thread
 SWEEP = [
     "arch=tiny", "data=embedded", "data.seq_length=32", "budget=1", "train.steps=40",

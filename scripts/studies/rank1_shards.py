@@ -1,6 +1,6 @@
 """The 4-bit second moment's rank-1 scales under FSDP2: per-shard column maxima against the whole matrix's.
 
-    python scripts/rank1_shards.py
+    python scripts/studies/rank1_shards.py
 
 FSDP2 splits a matrix's rows over the ranks. Each rank can take the column maxima over its own rows (the
 per-shard form cramming uses, no communication) or all-reduce them to the whole matrix's. This quantizes one

@@ -1,8 +1,8 @@
 """Throughput, FLOP/s and MFU of full training steps: our model against Hugging Face BertForMaskedLM.
 
-    python scripts/bench_pretrain.py --data outputs/data/local-<hash>           # CPU, a small crammed shape
-    python scripts/bench_pretrain.py --arch crammed-bert --microbatch 128 --compile  # CUDA, bf16
-    python scripts/bench_pretrain.py --data outputs/data/local-<hash> --arch bert-tiny \
+    python scripts/bench/bench_pretrain.py --data outputs/data/local-<hash>           # CPU, a small crammed shape
+    python scripts/bench/bench_pretrain.py --arch crammed-bert --microbatch 128 --compile  # CUDA, bf16
+    python scripts/bench/bench_pretrain.py --data outputs/data/local-<hash> --arch bert-tiny \
         --set attention_bias=alibi --microbatch 64 --threads 1 --workers 0 \
         --precision fp32,bf16 --baseline                 # the CPU study's step, in both precisions
 
@@ -39,7 +39,6 @@ it is an upper bound there.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import statistics
 import subprocess
@@ -53,19 +52,17 @@ import numpy as np
 import torch
 import yaml
 
-REPO = Path(__file__).resolve().parent.parent
-if importlib.util.find_spec("cramming") is None:  # a plain checkout (the GPU machine installs nothing)
-    sys.path.append(str(REPO))
+from cramming.impl import ImplConfig, cpu_bf16_support
+from cramming.model import ArchConfig, build_model, count_parameters
+from cramming.model.flops import forward_flops_per_token, train_flops_per_token
+from cramming.model.ops import ATTENTION, alibi_bias
+from cramming.optim import OptimConfig, build_optimizer
+from cramming.optim.step import TrainStep
+from cramming.train.batches import microbatches
+from cramming.train.config import MLMConfig
+from cramming.train.mlm import MLMMasker
 
-from cramming.impl import ImplConfig, cpu_bf16_support  # noqa: E402
-from cramming.model import ArchConfig, build_model, count_parameters  # noqa: E402
-from cramming.model.flops import forward_flops_per_token, train_flops_per_token  # noqa: E402
-from cramming.model.ops import ATTENTION, alibi_bias  # noqa: E402
-from cramming.optim import OptimConfig, build_optimizer  # noqa: E402
-from cramming.train.batches import microbatches  # noqa: E402
-from cramming.train.config import MLMConfig  # noqa: E402
-from cramming.train.mlm import MLMMasker  # noqa: E402
-from cramming.optim.step import TrainStep  # noqa: E402
+REPO = Path(__file__).resolve().parents[2]
 
 SPECIAL = (0, 1, 2, 3, 4)  # [PAD] [UNK] [CLS] [SEP] [MASK], as every tokenizer of the pipeline places them
 MASK_ID = 4
@@ -438,7 +435,7 @@ def report(result: dict, args: argparse.Namespace) -> str:
     lines = [
         f"# Training-step throughput: {device_name}",
         "",
-        f"`python scripts/bench_pretrain.py {' '.join(sys.argv[1:])}`, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())},"
+        f"`python scripts/bench/bench_pretrain.py {' '.join(sys.argv[1:])}`, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())},"
         f" torch {torch.__version__}. Arch `{args.arch}`{' with ' + ', '.join(args.set) if args.set else ''}:"
         f" {arch.num_layers} layers, hidden {arch.hidden_size}, {arch.num_heads} heads, FFN {arch.intermediate_size}"
         f" ({arch.ffn}); vocabulary {result['vocab']}, micro-batch {args.microbatch} x {args.seq} tokens,"
@@ -541,7 +538,7 @@ def autobatch_report(args: argparse.Namespace) -> str:
     lines = [
         f"# impl.microbatch_size=auto: {key}",
         "",
-        f"`python scripts/bench_pretrain.py {' '.join(sys.argv[1:])}`, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}:"
+        f"`python scripts/bench/bench_pretrain.py {' '.join(sys.argv[1:])}`, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}:"
         f" forward + backward (eager) at seq {args.seq}, vocabulary {args.vocab}; search {record['search_seconds']} s"
         f" (limit {args.search_seconds:g} s). Chosen: **{chosen}**.",
         "",

@@ -1,9 +1,9 @@
 """Optimizer-state memory, CPU step time and update quality of every optimizer, side by side, as markdown.
 
-    python scripts/bench_optim.py                  # crammed-BERT-sized parameter set; writes results/optim_memory.md
-    python scripts/bench_optim.py --layers 2       # a scaled copy (quick look)
-    python scripts/bench_optim.py --device cuda    # step times on the GPU (8-bit: the fused Triton kernel)
-    python scripts/bench_optim.py --quality        # wide-gradient drift + 4-bit memory: results/optim_quality.md
+    python scripts/bench/bench_optim.py                  # crammed-BERT-sized parameter set; writes results/optim_memory.md
+    python scripts/bench/bench_optim.py --layers 2       # a scaled copy (quick look)
+    python scripts/bench/bench_optim.py --device cuda    # step times on the GPU (8-bit: the fused Triton kernel)
+    python scripts/bench/bench_optim.py --quality        # wide-gradient drift + 4-bit memory: results/optim_quality.md
 
 Quality (--quality): the wide-gradient trajectory of tests/test_optim_drift.py (one 64x512 weight, 200
 steps, per-element gradient scales over three decades in every block, one column in ten 20x larger): each
@@ -46,7 +46,7 @@ from cramming.optim import OptimConfig, build_optimizer, optimizer_state_report
 from cramming.optim.lowbit import Maps4bit, _decode_m4, _encode_m4
 from cramming.optim.quant import QBLOCK_4BIT, dequantize_rank1, num_blocks, packed_size, quantize_rank1
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def bert_sized_stack(layers: int, hidden: int, ffn: int, vocab: int) -> nn.Module:
@@ -430,7 +430,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    command = ("python scripts/bench_optim.py " + shlex.join(sys.argv[1:])).strip()
+    command = ("python scripts/bench/bench_optim.py " + shlex.join(sys.argv[1:])).strip()
     if args.quality:
         text = quality_report(args.layers, command, args.note)
         print(text)

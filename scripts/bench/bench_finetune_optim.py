@@ -1,6 +1,6 @@
 """Seconds per fine-tuning update of each optimizer on one checkpoint, measured side by side in one process.
 
-    python scripts/bench_finetune_optim.py --checkpoint cpu-study-tiny-60min-fast \
+    python scripts/bench/bench_finetune_optim.py --checkpoint cpu-study-tiny-60min-fast \
         adamw adamw_8bit adamw_4bit "galore_adamw rank=8 scale=4" "galore_adamw_8bit_layerwise rank=8"
 
 Each row is an optimizer name with optional `key=value` settings of eval.optim (glue-small's are the

@@ -1,0 +1,1 @@
+"""Scripts a user runs by hand, the benchmarks (bench/) and the study generators (studies/): see README.md."""

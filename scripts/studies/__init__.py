@@ -1,0 +1,1 @@
+"""Study generators and one-off probes whose results are committed under results/: see scripts/README.md."""
