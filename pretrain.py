@@ -18,7 +18,7 @@ from cramming.eval.anytime import AnytimeEval
 from cramming.job.exits import RunStopped, stop_at_once
 from cramming.job.runcard import RunCard, run_entry_point, run_job
 from cramming.trackers.session import start_trackers
-from cramming.train import checkpoint
+from cramming.train import state as train_state
 from cramming.train.loop import TrainResult, train
 from cramming.train.ranks import init_from_env, local_main_first, rank_zero_value, shutdown
 from cramming.train.summary import summary
@@ -56,7 +56,7 @@ def pretrain(cfg: DictConfig, card: RunCard) -> float | None:
     # the budget clock starts inside train(): preprocessing above does not count against it
     run_dir = rank_zero_value(ranks, Path(HydraConfig.get().runtime.output_dir))  # one for all
     # W&B, MLflow, TensorBoard (trackers=[...]): before the budget clock starts; a resumed run continues theirs
-    continues = checkpoint.continued_run_dir(run_dir, config.resume, config.base_dir, config.name)
+    continues = train_state.continued_run_dir(run_dir, config.resume, config.base_dir, config.name)
     trackers = start_trackers(config.tracker_names, config.tracking, card, continues, main=ranks.is_main)
     with card.timed("train"):
         result = train(config, data, run_dir, hooks=hooks, on_record=trackers.log)

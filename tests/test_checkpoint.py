@@ -27,7 +27,8 @@ from cramming import utils
 from cramming.errors import ConfigError, WriteFailed
 from cramming.model import BertForMLM, build_model
 from cramming.model import checkpoint as model_checkpoint
-from cramming.train import checkpoint, loop
+from cramming.train import loop
+from cramming.train import state as train_state
 
 
 def save_tiny(tmp_path, model=None, stamp="2026-01-01_00-00-00"):
@@ -209,7 +210,7 @@ def test_state_is_written_atomically_and_loads_weights_only(tmp_path, monkeypatc
     loop.train(cfg, synthetic_data(tmp_path), run_dir(cfg))
     files = sorted(p.name for p in run_dir(cfg).iterdir())
     assert "state.pt" in files and not any(name.endswith(".tmp") for name in files)
-    state = checkpoint.load_state(run_dir(cfg) / checkpoint.STATE)
+    state = train_state.load_state(run_dir(cfg) / train_state.STATE)
     assert state["progress"]["updates"] == 2 and not any("_orig_mod" in k for k in state["model"])
 
 
@@ -235,7 +236,7 @@ def test_resume_after_a_signal_mid_update_is_bit_identical(tmp_path, monkeypatch
     send_signal_after(monkeypatch, 11, signum)  # update 3 = micro-batches 9-12: stops after the 11th
     first = loop.train(cfg, data, run_dir(cfg, "2026-01-01_00-00-00"))
     assert first.stop_reason == signal.Signals(signum).name and first.progress.updates == 2
-    saved = checkpoint.load_state(run_dir(cfg, "2026-01-01_00-00-00") / checkpoint.STATE)
+    saved = train_state.load_state(run_dir(cfg, "2026-01-01_00-00-00") / train_state.STATE)
     # the last whole update (`microbatches` counts every micro-batch run, the dropped ones too)
     assert (saved["progress"]["updates"], saved["progress"]["rows"]) == (2, 64)
     monkeypatch.undo()
@@ -259,28 +260,28 @@ def _interrupted_twice(tmp_path, monkeypatch, ticking):
     loop.train(cfg, data, run_dir(cfg), clock=clock)
     monkeypatch.undo()
     folder = run_dir(cfg)
-    state = checkpoint.load_state(folder / checkpoint.STATE)
-    previous = checkpoint.load_state(folder / checkpoint.PREVIOUS)
+    state = train_state.load_state(folder / train_state.STATE)
+    previous = train_state.load_state(folder / train_state.PREVIOUS)
     assert (state["progress"]["updates"], previous["progress"]["updates"]) == (4, 3)
     return data, folder
 
 
 def test_a_truncated_state_falls_back_to_the_previous_one(tmp_path, monkeypatch, ticking, caplog):
     data, folder = _interrupted_twice(tmp_path, monkeypatch, ticking)
-    newest = folder / checkpoint.STATE
+    newest = folder / train_state.STATE
     newest.write_bytes(newest.read_bytes()[:1000])  # a truncated write (a disk that filled up)
     resumed = make_config(tmp_path, "budget=1", "resume=true", "train.steps=5")
     caplog.set_level(logging.INFO, logger="cramming")
     result = loop.train(resumed, data, run_dir(resumed, "2026-01-01_01-00-00"))
     assert result.progress.updates == 5
-    assert str(newest) in caplog.text and str(folder / checkpoint.PREVIOUS) in caplog.text
-    assert f"resuming from {folder / checkpoint.PREVIOUS}: update 3" in caplog.text
+    assert str(newest) in caplog.text and str(folder / train_state.PREVIOUS) in caplog.text
+    assert f"resuming from {folder / train_state.PREVIOUS}: update 3" in caplog.text
 
 
 @pytest.mark.parametrize("damage", ["truncated", "pickle"])
 def test_no_loadable_state_fails_naming_the_file(tmp_path, monkeypatch, ticking, damage):
     data, folder = _interrupted_twice(tmp_path, monkeypatch, ticking)
-    for name in (checkpoint.STATE, checkpoint.PREVIOUS):
+    for name in (train_state.STATE, train_state.PREVIOUS):
         path = folder / name
         if damage == "truncated":
             path.write_bytes(path.read_bytes()[:1000])
@@ -289,8 +290,8 @@ def test_no_loadable_state_fails_naming_the_file(tmp_path, monkeypatch, ticking,
     resumed = make_config(tmp_path, "budget=1", "resume=true")
     with pytest.raises(ConfigError, match="resume=false") as caught:
         loop.train(resumed, data, run_dir(resumed, "2026-01-01_01-00-00"))
-    assert str(folder / checkpoint.STATE) in str(caught.value)
-    assert str(folder / checkpoint.PREVIOUS) in str(caught.value)
+    assert str(folder / train_state.STATE) in str(caught.value)
+    assert str(folder / train_state.PREVIOUS) in str(caught.value)
 
 
 class _NotATensor:
@@ -298,12 +299,12 @@ class _NotATensor:
 
 
 def test_saving_a_state_keeps_the_previous_one_and_leaves_no_temporary_file(tmp_path):
-    path = tmp_path / checkpoint.STATE
+    path = tmp_path / train_state.STATE
     for version in (1, 2, 3):
-        checkpoint.save_state(path, {"version": version})
-    assert checkpoint.load_state(path)["version"] == 3
-    assert checkpoint.load_state(tmp_path / checkpoint.PREVIOUS)["version"] == 2
-    assert sorted(p.name for p in tmp_path.iterdir()) == [checkpoint.PREVIOUS, checkpoint.STATE]
+        train_state.save_state(path, {"version": version})
+    assert train_state.load_state(path)["version"] == 3
+    assert train_state.load_state(tmp_path / train_state.PREVIOUS)["version"] == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == [train_state.PREVIOUS, train_state.STATE]
 
 
 def _disk_full_midway(obj, f, *args, **kwargs):
@@ -312,25 +313,25 @@ def _disk_full_midway(obj, f, *args, **kwargs):
 
 
 def test_a_state_save_that_fails_midway_keeps_the_last_good_state(tmp_path, monkeypatch):
-    path = tmp_path / checkpoint.STATE
+    path = tmp_path / train_state.STATE
     for version in (1, 2):
-        checkpoint.save_state(path, {"version": version, "weights": torch.ones(4)})
-    monkeypatch.setattr(checkpoint.torch, "save", _disk_full_midway)
+        train_state.save_state(path, {"version": version, "weights": torch.ones(4)})
+    monkeypatch.setattr(train_state.torch, "save", _disk_full_midway)
     with pytest.raises(WriteFailed, match=r"could not write the resumable state .* is kept"):
-        checkpoint.save_state(path, {"version": 3, "weights": torch.zeros(4)})
-    assert checkpoint.load_state(path)["version"] == 2
-    assert checkpoint.load_state(tmp_path / checkpoint.PREVIOUS)["version"] == 1
-    assert sorted(p.name for p in tmp_path.iterdir()) == [checkpoint.PREVIOUS, checkpoint.STATE]
+        train_state.save_state(path, {"version": 3, "weights": torch.zeros(4)})
+    assert train_state.load_state(path)["version"] == 2
+    assert train_state.load_state(tmp_path / train_state.PREVIOUS)["version"] == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == [train_state.PREVIOUS, train_state.STATE]
 
 
 def test_a_save_without_the_space_for_it_writes_nothing_and_names_the_space(tmp_path, monkeypatch):
-    path = tmp_path / checkpoint.STATE
-    checkpoint.save_state(path, {"version": 1, "weights": torch.ones(4)})
+    path = tmp_path / train_state.STATE
+    train_state.save_state(path, {"version": 1, "weights": torch.ones(4)})
     free = utils.SPACE_MARGIN_BYTES + 1000  # less than the margin and a 64 MiB state
     monkeypatch.setattr(utils.shutil, "disk_usage", lambda folder: shutil_usage(free))
     with pytest.raises(WriteFailed, match=r"needs about 80 MiB .* 16 MiB free.* base_dir"):
-        checkpoint.save_state(path, {"version": 2, "weights": torch.zeros(16 << 20)})
-    assert checkpoint.load_state(path)["version"] == 1
+        train_state.save_state(path, {"version": 2, "weights": torch.zeros(16 << 20)})
+    assert train_state.load_state(path)["version"] == 1
 
 
 def shutil_usage(free: int):
@@ -398,7 +399,7 @@ def test_resuming_removes_the_temporaries_of_a_save_killed_mid_write(tmp_path):
     """A SIGKILL during torch.save leaves the staged state's temporary file; the next resume of that run
     folder deletes it (its process is gone), and keeps those of a live process."""
     run = tmp_path / "run"
-    checkpoint.save_state(run / checkpoint.STATE, {"version": 2, "x": torch.zeros(2)})
+    train_state.save_state(run / train_state.STATE, {"version": 2, "x": torch.zeros(2)})
     dead = 2**22 + 12345  # above the largest pid Linux allows (pid_max <= 2**22): no such process
     stale = [
         run / f"..state.pt.{dead}.next.k3y.tmp",
@@ -408,6 +409,6 @@ def test_resuming_removes_the_temporaries_of_a_save_killed_mid_write(tmp_path):
     live = run / f"..state.pt.{os.getpid()}.next.abc.tmp"
     for path in [*stale, live]:
         path.write_bytes(b"half a state")
-    found, state = checkpoint.load_newest_state(run / checkpoint.STATE)
-    assert found == run / checkpoint.STATE and torch.equal(state["x"], torch.zeros(2))
+    found, state = train_state.load_newest_state(run / train_state.STATE)
+    assert found == run / train_state.STATE and torch.equal(state["x"], torch.zeros(2))
     assert not any(path.exists() for path in stale) and live.exists()

@@ -20,7 +20,7 @@ from cramming.job.cluster import SUBMITIT_ENV, hand_back_to_launcher, job_minute
 from cramming.job.report import build_report
 from cramming.job.runcard import RUN_CARD
 from cramming.model.checkpoint import load_pretrained
-from cramming.train import checkpoint
+from cramming.train import state as train_state
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -49,11 +49,11 @@ def test_only_submitits_signal_in_a_submitit_job_is_handed_back(monkeypatch):
 
 
 def test_a_run_finds_a_state_only_in_its_own_folder(tmp_path):
-    assert checkpoint.own_state(tmp_path) is None  # a first start: a new, empty folder
-    (tmp_path / checkpoint.PREVIOUS).write_bytes(b"")
-    assert checkpoint.own_state(tmp_path) == tmp_path / checkpoint.PREVIOUS
-    (tmp_path / checkpoint.STATE).write_bytes(b"")
-    assert checkpoint.own_state(tmp_path) == tmp_path / checkpoint.STATE
+    assert train_state.own_state(tmp_path) is None  # a first start: a new, empty folder
+    (tmp_path / train_state.PREVIOUS).write_bytes(b"")
+    assert train_state.own_state(tmp_path) == tmp_path / train_state.PREVIOUS
+    (tmp_path / train_state.STATE).write_bytes(b"")
+    assert train_state.own_state(tmp_path) == tmp_path / train_state.STATE
 
 
 # ------------------------------------------------------------------------ a sweep through the local launcher
@@ -138,7 +138,7 @@ def test_an_interrupted_job_is_requeued_and_ends_bit_identical(local_sweep):
     assert card["process"]["pid"] != first_pid  # the card is the requeued process's
     log = (interrupted / "pretrain.log").read_text()
     assert "SIGUSR2 received" in log and "handing the job back to submitit" in log
-    assert f"resuming from {interrupted / checkpoint.STATE}" in log  # no resume=true: its folder told it
+    assert f"resuming from {interrupted / train_state.STATE}" in log  # no resume=true: its folder told it
     submitit_logs = "".join(p.read_text() for p in sweep.glob(".submitit/*/*_log.out"))
     assert "Requeued job" in submitit_logs
     # the budget counts on: the requeued process was charged only its own part

@@ -39,7 +39,8 @@ from cramming.optim import (
     optimizer_state_report,
     reshard,
 )
-from cramming.train import checkpoint, loop, sharded_state
+from cramming.train import loop, sharded_state
+from cramming.train import state as train_state
 from cramming.train.batches import RowStream, numbered
 from cramming.train.mlm import MLMMasker
 from cramming.train.parallel import Parallel
@@ -211,7 +212,7 @@ def test_rank_zero_writes_plain_checkpoints_and_one_metrics_record_per_update(la
     with safe_open(str(Path(run["checkpoint"]) / model_checkpoint.WEIGHTS), "pt") as f:
         keys = list(f.keys())
     assert keys and not any(k.startswith(("module.", "_orig_mod.")) or "._fsdp" in k for k in keys), keys
-    state = checkpoint.load_state(Path(run["run_dir"]) / checkpoint.STATE)
+    state = train_state.load_state(Path(run["run_dir"]) / train_state.STATE)
     assert set(state["model"]) == set(final_weights(run["checkpoint"]))
     assert state["model"]["encoder.embeddings.position.scale"].shape == ()  # not FSDP2's 1-element copy
     assert all(isinstance(index, int) for index in state["optimizer"]["state"])  # one format for all modes
@@ -246,7 +247,7 @@ def test_torchrun_pretrain_py(tmp_path):
         timeout=600,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
-    (run,) = [p for p in (tmp_path / "pair").iterdir() if (p / checkpoint.STATE).is_file()]
+    (run,) = [p for p in (tmp_path / "pair").iterdir() if (p / train_state.STATE).is_file()]
     assert (run / model_checkpoint.CHECKPOINT_DIR / model_checkpoint.WEIGHTS).is_file()
     updates = [r["update"] for r in read_metrics(run) if "loss" in r]
     assert updates and updates == sorted(set(updates))  # one writer
@@ -362,7 +363,7 @@ def test_quantized_state_under_fsdp2_resumes_exactly_with_the_same_ranks(launche
         torch.testing.assert_close(ours[key], value, rtol=0, atol=0, msg=key)
     # the codes and scales each rank holds at the end: the same bits as the uninterrupted run's
     saved = [
-        checkpoint.load_state(Path(runs[leg]["run_dir"]) / checkpoint.STATE)
+        train_state.load_state(Path(runs[leg]["run_dir"]) / train_state.STATE)
         for leg in ("resumed", "reference")
     ]
     ours, theirs = (state["optimizer"]["rank_states"] for state in saved)

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from cramming.model import checkpoint as model_checkpoint
-from cramming.train import checkpoint
+from cramming.train import state as train_state
 
 REPO = Path(__file__).resolve().parent.parent
 VOCAB = 2048
@@ -110,7 +110,7 @@ def test_sigterm_then_resume_continues_the_budget(wiki_shard, base_dir):
     assert process.returncode == 128 + signal.SIGTERM, output[-4000:]
     assert "resume=true" in output
     (interrupted,) = runs(base_dir, "resume")
-    state = checkpoint.load_state(interrupted / checkpoint.STATE)
+    state = train_state.load_state(interrupted / train_state.STATE)
     assert not (interrupted / model_checkpoint.CHECKPOINT_DIR).exists()
 
     time.sleep(1.1)  # run folders are named by the second

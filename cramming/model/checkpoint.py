@@ -4,7 +4,7 @@
     model.safetensors        weights, key names of the plain (uncompiled) module, tied matrix stored once
     model_config.json        arch fields + vocab_size, seq_length, special-token ids, training summary
     tokenizer.json           the tokenizer the data was made with
-{run_dir}/state.pt           resumable state: cramming/train/checkpoint.py
+{run_dir}/state.pt           resumable state: cramming/train/state.py
 
 A checkpoint is found by path (a run folder or its checkpoint/ folder) or by run name, `latest` meaning the
 newest run folder of that name under {base_dir}/{name}/.

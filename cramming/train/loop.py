@@ -46,7 +46,7 @@ from cramming.train.mlm import MLMMasker, mlm_accuracy_counts
 from cramming.train.parallel import Parallel
 from cramming.train.ranks import init_from_env
 from cramming.train.state import Progress
-from cramming.train.validation import validate
+from cramming.train.validation import validation_metrics
 from cramming.utils import peak_memory_bytes, seed_everything
 
 if TYPE_CHECKING:  # annotations only: the top-level schema also knows eval/, which train/ never imports
@@ -368,7 +368,7 @@ def finish(run: Run, reason: str) -> TrainResult:
         "peak_memory_bytes": peak_memory_bytes(run.device),
     })  # fmt: skip
     data, train = run.data, run.cfg.train
-    result.validation = validate(  # on every rank: FSDP2's forward is collective
+    result.validation = validation_metrics(  # on every rank: FSDP2's forward is collective
         run.model, data.validation, limit=train.validation_rows, mlm=train.mlm, vocab_size=data.vocab_size,
         special_ids=data.special.all, mask_id=data.special.mask, microbatch_size=run.microbatch_size,
         autocast=run.step.autocast, predicted_per_row=run.predicted_per_row,

@@ -19,7 +19,7 @@ log = logging.getLogger("cramming")
 
 
 @torch.no_grad()
-def validate(
+def validation_metrics(
     model: nn.Module,
     rows: datasets.Dataset | None,
     *,
