@@ -15,7 +15,7 @@ from torch import nn
 
 from cramming.errors import ConfigError
 from cramming.optim import OptimConfig, build_optimizer
-from cramming.optim.lowbit import Maps4bit, _decode_m4, _decode_v4
+from cramming.optim.lowbit import Maps4bit, decode_m4, decode_v4
 from cramming.optim.quant import rank1_shape
 from tests.test_optim_drift import HIGH, LOW, SETTINGS, moved, train_4bit, wide_gradients
 
@@ -82,8 +82,8 @@ def _saved_state(fmt: str, legacy: bool) -> tuple[nn.Module, dict]:
 
 def _first_moment(state: dict, fmt: str) -> torch.Tensor:
     maps, shape = Maps4bit.build(), (64, 256)
-    v = _decode_v4(state, 64 * 256, rank1_shape(shape), maps)
-    return _decode_m4(state, 64 * 256, maps, v, fmt == "normalized")
+    v = decode_v4(state, 64 * 256, rank1_shape(shape), maps)
+    return decode_m4(state, 64 * 256, maps, v, fmt == "normalized")
 
 
 @pytest.mark.parametrize(

@@ -100,7 +100,7 @@ def padded_batch(
     }
 
 
-def _loss(logits: torch.Tensor, labels: torch.Tensor, regression: bool) -> torch.Tensor:
+def task_loss(logits: torch.Tensor, labels: torch.Tensor, regression: bool) -> torch.Tensor:
     if regression:
         return F.mse_loss(logits.squeeze(-1).float(), labels)
     return F.cross_entropy(logits.float(), labels)
@@ -292,7 +292,7 @@ def train_epoch(
         step.begin(lr_factor(step.stats.updates))
         with step.autocast():
             logits = model(batch["input_ids"], batch["attention_mask"], batch["token_type_ids"])
-        loss = _loss(logits, batch["labels"], regression)
+        loss = task_loss(logits, batch["labels"], regression)
         step.backward(loss)
         step.apply(loss.detach())
         loss_value = loss.item()

@@ -248,7 +248,7 @@ def _time_axis(runs: list[RunRecord]) -> tuple[float, str]:
     return (60.0, "elapsed time (minutes)") if longest < 2 else (1.0, "elapsed time (hours)")
 
 
-def _figure(size: tuple[float, float]) -> Figure:
+def figure(size: tuple[float, float]) -> Figure:
     """A figure of matplotlib's object API: drawn straight to files, no pyplot state and no display
     backend to choose (nothing happens at import). Constrained layout keeps every label inside the figure and
     makes room for a legend placed outside the axes."""
@@ -268,7 +268,7 @@ def _legend_text(run: RunRecord) -> str:
 def _plot_over_time(runs: list[RunRecord], key: str, ylabel: str, title: str):
     """One line per run of metrics[key] against elapsed time; returns (figure, axes) to finish."""
     scale, xlabel = _time_axis(runs)
-    fig = _figure((7, 4.5))
+    fig = figure((7, 4.5))
     ax = fig.subplots()
     for run in runs:
         x, y = _series(run, "elapsed_h", key)
@@ -283,7 +283,7 @@ def plot_loss(runs: list[RunRecord], path: Path) -> Figure:
 
 
 def plot_schedule(runs: list[RunRecord], path: Path) -> Figure:
-    fig = _figure((11, 4.2))
+    fig = figure((11, 4.2))
     lr_ax, bs_ax = fig.subplots(1, 2)
     for run in runs:
         lr_ax.plot(*_series(run, "budget_fraction", "lr"), label=_legend_text(run), linewidth=1.2)
@@ -303,7 +303,7 @@ def plot_throughput(runs: list[RunRecord], path: Path) -> Figure:
 def plot_glue(runs: list[RunRecord], path: Path) -> Figure:
     """Grouped bars: one group per task, one bar per run (labelled by what differs, e.g. the optimizer)."""
     tasks = list(dict.fromkeys(t for run in runs for t in run.card["metrics"].get("scores", {})))
-    fig = _figure((max(6, 1.6 * len(tasks) * max(1, len(runs)) / 2), 4.5))
+    fig = figure((max(6, 1.6 * len(tasks) * max(1, len(runs)) / 2), 4.5))
     ax = fig.subplots()
     width = 0.8 / len(runs)
     for i, run in enumerate(runs):
@@ -321,7 +321,7 @@ def plot_anytime(runs: list[RunRecord], path: Path) -> Figure:
     """One panel per task: its score against the budget fraction, one line per run."""
     records = {_legend_text(run): [r for r in run.metrics if "anytime_fraction" in r] for run in runs}
     tasks = list(dict.fromkeys(task for rs in records.values() for r in rs for task in r["anytime"]))
-    fig = _figure((5.5 * len(tasks), 4.5))
+    fig = figure((5.5 * len(tasks), 4.5))
     axes = fig.subplots(1, len(tasks), squeeze=False)
     for ax, task in zip(axes[0], tasks, strict=True):
         for label, rs in records.items():

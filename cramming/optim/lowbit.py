@@ -80,7 +80,7 @@ class AdamScalars:
         )
 
 
-def _adamw_step(
+def adamw_step(
     p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, s: AdamScalars
 ) -> torch.Tensor:
     """AdamW on fp32 tensors of one shape, in place on p, m and v, rounding exactly as the kernel does (no
@@ -105,7 +105,7 @@ def _adamw_step(
     return root
 
 
-def _fp32_work(param: torch.Tensor, block: int | None) -> tuple[torch.Tensor, bool]:
+def fp32_work(param: torch.Tensor, block: int | None) -> tuple[torch.Tensor, bool]:
     """The parameter as fp32 (blocks, block) (or flat with block None), and whether that is `param` itself."""
     flat = param.detach().reshape(-1)
     aliased = param.dtype == torch.float32 and param.is_contiguous()
@@ -219,7 +219,7 @@ def _step_8bit_chunk(
     v = dequantize_blocks(moments.v_codes, moments.v_absmax, v_map, QBLOCK)
     if sqrt_v:
         v.mul_(v)
-    root = _adamw_step(p_blocks, as_blocks(g), m, v, s)
+    root = adamw_step(p_blocks, as_blocks(g), m, v, s)
     if k % QBLOCK:
         p.copy_(p_blocks.view(-1)[:k])
     for codes, absmax, (new_codes, new_absmax) in (
@@ -286,7 +286,7 @@ def specs_4bit(shape: tuple[int, ...]) -> dict[str, tuple[tuple[int, ...], torch
     return specs
 
 
-def _decode_v4(state: dict, n: int, matrix: tuple[int, int] | None, maps: Maps4bit) -> torch.Tensor:
+def decode_v4(state: dict, n: int, matrix: tuple[int, int] | None, maps: Maps4bit) -> torch.Tensor:
     """The 4-bit second moment of `state` as fp32 (n,): rank-1 scales for a matrix, blocks of 128 else."""
     codes = unpack_nibbles(state["v_codes"], n)
     if matrix is None:
@@ -294,8 +294,8 @@ def _decode_v4(state: dict, n: int, matrix: tuple[int, int] | None, maps: Maps4b
     return dequantize_rank1(codes.view(matrix), state["v_row"], state["v_col"], maps.v).view(-1)
 
 
-def _encode_v4(v: torch.Tensor, state: dict, matrix: tuple[int, int] | None, maps: Maps4bit) -> None:
-    """Store fp32 v (n,) into `state` in the format _decode_v4 reads."""
+def encode_v4(v: torch.Tensor, state: dict, matrix: tuple[int, int] | None, maps: Maps4bit) -> None:
+    """Store fp32 v (n,) into `state` in the format decode_v4 reads."""
     if matrix is None:
         codes, absmax = quantize_blocks(as_blocks(v, QBLOCK_4BIT), maps.v)
         state["v_absmax"].copy_(absmax)
@@ -313,14 +313,14 @@ def _divisor(v: torch.Tensor) -> torch.Tensor:
     return torch.where(root > 0, root, torch.ones_like(root))
 
 
-def _decode_m4(state: dict, n: int, maps: Maps4bit, v: torch.Tensor, normalized: bool) -> torch.Tensor:
+def decode_m4(state: dict, n: int, maps: Maps4bit, v: torch.Tensor, normalized: bool) -> torch.Tensor:
     """The 4-bit first moment as fp32 (n,); `normalized` codes hold m / sqrt(v) for the stored v given."""
     m = dequantize_blocks(unpack_nibbles(state["m_codes"], n), state["m_absmax"], maps.m, QBLOCK_4BIT)
     m = m.view(-1)[:n].clone()
     return m.mul_(_divisor(v)) if normalized else m
 
 
-def _encode_m4(
+def encode_m4(
     m: torch.Tensor,
     state: dict,
     maps: Maps4bit,
@@ -364,15 +364,15 @@ def adamw4bit_update_torch(
     n = param.numel()
     matrix = rank1_shape(tuple(param.shape))
     g = grad.detach().reshape(-1).float()
-    p, aliased = _fp32_work(param, None)
-    v = _decode_v4(state, n, matrix, maps)
-    m = _decode_m4(state, n, maps, v, normalized)
-    _adamw_step(p, g, m, v, s)
+    p, aliased = fp32_work(param, None)
+    v = decode_v4(state, n, matrix, maps)
+    m = decode_m4(state, n, maps, v, normalized)
+    adamw_step(p, g, m, v, s)
     if not aliased:
         param.detach().copy_(p.view(param.shape))
-    _encode_v4(v, state, matrix, maps)
-    stored_v = _decode_v4(state, n, matrix, maps) if normalized else v
-    _encode_m4(m, state, maps, stored_v, normalized, stochastic_step)
+    encode_v4(v, state, matrix, maps)
+    stored_v = decode_v4(state, n, matrix, maps) if normalized else v
+    encode_m4(m, state, maps, stored_v, normalized, stochastic_step)
 
 
 def convert_first_moment_4bit(
@@ -383,22 +383,22 @@ def convert_first_moment_4bit(
     if saved == wanted:
         return
     n = math.prod(shape)
-    v = _decode_v4(state, n, rank1_shape(shape), maps)
-    m = _decode_m4(state, n, maps, v, saved == "normalized")
-    _encode_m4(m, state, maps, v, wanted == "normalized", None)
+    v = decode_v4(state, n, rank1_shape(shape), maps)
+    m = decode_m4(state, n, maps, v, saved == "normalized")
+    encode_m4(m, state, maps, v, wanted == "normalized", None)
 
 
 def decode_4bit(state: dict, shape: tuple[int, ...], maps: Maps4bit) -> tuple[torch.Tensor, torch.Tensor]:
     """The fp32 first and second moments (n,) that a 4-bit state of moments of `shape` holds."""
     n = math.prod(shape)
-    v = _decode_v4(state, n, rank1_shape(shape), maps)
-    return _decode_m4(state, n, maps, v, saved_first_moment_format(state) == "normalized"), v
+    v = decode_v4(state, n, rank1_shape(shape), maps)
+    return decode_m4(state, n, maps, v, saved_first_moment_format(state) == "normalized"), v
 
 
 def encode_second_moment_4bit(v: torch.Tensor, shape: tuple[int, ...], maps: Maps4bit) -> dict:
     """Fresh 4-bit second-moment entries (codes and scales) of fp32 v (n,) of moments of `shape`."""
     entries = {k: torch.zeros(s, dtype=d) for k, (s, d) in specs_4bit(shape).items() if k.startswith("v_")}
-    _encode_v4(v, entries, rank1_shape(shape), maps)
+    encode_v4(v, entries, rank1_shape(shape), maps)
     return entries
 
 
@@ -409,8 +409,8 @@ def encode_first_moment_4bit(
     by the second moment that `stored` (4-bit second-moment entries) holds, as a step stores it."""
     entries = {k: torch.zeros(s, dtype=d) for k, (s, d) in specs_4bit(shape).items() if k.startswith("m_")}
     normalized = m_format == "normalized"
-    v = _decode_v4(stored, math.prod(shape), rank1_shape(shape), maps) if normalized else None
-    _encode_m4(m, entries, maps, v, normalized, None)
+    v = decode_v4(stored, math.prod(shape), rank1_shape(shape), maps) if normalized else None
+    encode_m4(m, entries, maps, v, normalized, None)
     return entries
 
 

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from cramming.eval.config import EvalConfig
-from cramming.eval.finetune import _loss, encode, padded_batch
+from cramming.eval.finetune import encode, padded_batch, task_loss
 from cramming.eval.glue_data import load_local
 from cramming.eval.head import SequenceClassifier
 from cramming.eval.run import checkpoint_backbone
@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> None:
         row["step"].begin(1.0)
         with row["step"].autocast():
             logits = row["model"](batch["input_ids"], batch["attention_mask"], batch["token_type_ids"])
-        loss = _loss(logits, batch["labels"], task.is_regression)
+        loss = task_loss(logits, batch["labels"], task.is_regression)
         row["step"].backward(loss)
         row["step"].apply(loss.detach())
 

@@ -43,7 +43,7 @@ import torch
 from torch import nn
 
 from cramming.optim import OptimConfig, build_optimizer, optimizer_state_report
-from cramming.optim.lowbit import Maps4bit, _decode_m4, _encode_m4
+from cramming.optim.lowbit import Maps4bit, decode_m4, encode_m4
 from cramming.optim.quant import QBLOCK_4BIT, dequantize_rank1, num_blocks, packed_size, quantize_rank1
 
 REPO = Path(__file__).resolve().parents[2]
@@ -326,8 +326,8 @@ def adam_with_4bit_moments(first: str | None, second: bool) -> torch.Tensor:
             state = {"m_codes": torch.zeros(packed_size(flat.numel()), dtype=torch.uint8),
                      "m_absmax": torch.zeros(num_blocks(flat.numel(), QBLOCK_4BIT))}  # fmt: skip
             normalized, stochastic = first == "normalized", step if first == "stochastic" else None
-            _encode_m4(flat, state, maps, v.reshape(-1), normalized, stochastic)
-            m = _decode_m4(state, flat.numel(), maps, v.reshape(-1), normalized).view(DRIFT_SHAPE)
+            encode_m4(flat, state, maps, v.reshape(-1), normalized, stochastic)
+            m = decode_m4(state, flat.numel(), maps, v.reshape(-1), normalized).view(DRIFT_SHAPE)
     return w - start
 
 

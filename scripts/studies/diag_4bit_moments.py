@@ -20,12 +20,12 @@ import torch
 
 from cramming.optim import adamw as adamw_module
 from cramming.optim.lowbit import (
-    _adamw_step,
-    _decode_m4,
-    _decode_v4,
-    _encode_m4,
-    _encode_v4,
-    _fp32_work,
+    adamw_step,
+    decode_m4,
+    decode_v4,
+    encode_m4,
+    encode_v4,
+    fp32_work,
 )
 from cramming.optim.quant import rank1_shape
 
@@ -43,23 +43,23 @@ def one_moment_update(quantized: str):
         n = param.numel()
         matrix = rank1_shape(tuple(param.shape))
         g = grad.detach().reshape(-1).float()
-        p, aliased = _fp32_work(param, None)
+        p, aliased = fp32_work(param, None)
         keep = "diag_v" if quantized == "first" else "diag_m"
         if keep not in state:
             state[keep] = torch.zeros(n, dtype=torch.float32, device=param.device)
         if quantized == "first":
             v = state["diag_v"]
-            m = _decode_m4(state, n, maps, v, False)
+            m = decode_m4(state, n, maps, v, False)
         else:
-            v = _decode_v4(state, n, matrix, maps)
+            v = decode_v4(state, n, matrix, maps)
             m = state["diag_m"]
-        _adamw_step(p, g, m, v, s)  # in place on m and v: the fp32 one is updated where it is kept
+        adamw_step(p, g, m, v, s)  # in place on m and v: the fp32 one is updated where it is kept
         if not aliased:
             param.detach().copy_(p.view(param.shape))
         if quantized == "first":
-            _encode_m4(m, state, maps, v, False, None)
+            encode_m4(m, state, maps, v, False, None)
         else:
-            _encode_v4(v, state, matrix, maps)
+            encode_v4(v, state, matrix, maps)
 
     return update
 

@@ -31,7 +31,7 @@ from pathlib import Path
 from matplotlib.text import Text
 
 from cramming.eval.scores import EntryScore
-from cramming.job.report import _figure, layout_problems
+from cramming.job.report import figure, layout_problems
 from cramming.job.runcard import RUN_CARD, read_metrics
 from scripts.studies.cpu_study import TASKS, average, cell, entry_scores, load
 
@@ -268,7 +268,7 @@ def glue_plot(panels: list[tuple[str, list[dict]]], path: Path) -> None:
     """GLUE average against measured optimizer-state bytes (% of AdamW's), one point per optimizer, the
     seeds' range of the average as error bars; one panel per checkpoint. Each point is labelled with its row
     in its colour, clear of the other labels and error bars (place_labels), with a leader line where needed."""
-    fig = _figure((6.4 * len(panels), 4.8))
+    fig = figure((6.4 * len(panels), 4.8))
     axes = fig.subplots(1, len(panels), squeeze=False)[0]
     drawn = []
     for ax, (title, rows) in zip(axes, panels, strict=True):
