@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from cramming.kernels import triton_status
-from cramming.model import IGNORE_INDEX, ArchConfig, BertForMLM
+from cramming.model import IGNORE_INDEX, ArchConfig, BertForMLM, kernels_by_name
 
 TRITON_OK, TRITON_WHY = triton_status()
 pytestmark = pytest.mark.skipif(not TRITON_OK, reason=f"Triton cannot launch here: {TRITON_WHY}")
@@ -66,17 +66,10 @@ def test_triton_and_pytorch_loss_curves_match():
     the distance between two PyTorch attentions (eager and SDPA, equal but for rounding); the early steps, before
     the amplification, must agree to 1e-4 (fp32 rounding of a loss near 3 is ~3e-7)."""
     torch.manual_seed(0)
-    reference = BertForMLM(TINY, VOCAB, dropout=0.0, attention="eager", layernorm="torch").to(DEVICE)
-    rounding_twin = BertForMLM(TINY, VOCAB, dropout=0.0, attention="sdpa", layernorm="torch").to(DEVICE)
-    kernels = BertForMLM(
-        TINY,
-        VOCAB,
-        dropout=0.0,
-        attention="triton",
-        layernorm="triton",
-        ffn_activation="triton",
-        loss="triton",
-    ).to(DEVICE)
+    reference = BertForMLM(TINY, VOCAB, dropout=0.0, kernels=kernels_by_name(attention="eager")).to(DEVICE)
+    rounding_twin = BertForMLM(TINY, VOCAB, dropout=0.0, kernels=kernels_by_name(attention="sdpa")).to(DEVICE)
+    fused = kernels_by_name(attention="triton", layernorm="triton", ffn_activation="triton", loss="triton")
+    kernels = BertForMLM(TINY, VOCAB, dropout=0.0, kernels=fused).to(DEVICE)
     assert TINY.ffn == "glu", "the tiny model must use the gated FFN for the GLU kernel to be exercised"
     rounding_twin.load_state_dict(copy.deepcopy(reference.state_dict()))
     kernels.load_state_dict(copy.deepcopy(reference.state_dict()))

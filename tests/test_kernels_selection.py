@@ -11,7 +11,7 @@ import torch
 
 from cramming.errors import ConfigError
 from cramming.impl import ImplConfig
-from cramming.model import ArchConfig, BertForMLM, KernelUnavailableError, build_model
+from cramming.model import ArchConfig, BertForMLM, KernelUnavailableError, build_model, kernels_by_name
 from cramming.model.ops import FFN_ACTIVATION, LOSS, resolve_kernels
 
 TINY = ArchConfig(
@@ -60,7 +60,7 @@ def test_model_calls_the_chosen_implementations(monkeypatch):
 
     monkeypatch.setitem(FFN_ACTIVATION, "triton", spy("ffn", FFN_ACTIVATION["torch"]))
     monkeypatch.setitem(LOSS, "triton", spy("loss", LOSS["torch"]))
-    model = BertForMLM(TINY, 40, dropout=0.0, ffn_activation="triton", loss="triton")
+    model = BertForMLM(TINY, 40, dropout=0.0, kernels=kernels_by_name(ffn_activation="triton", loss="triton"))
     ids = torch.randint(2, 40, (2, 16))
     labels = torch.where(torch.rand(2, 16) < 0.3, ids, -100)
     labels[:, 0] = ids[:, 0]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import logging
 from pathlib import Path
@@ -16,11 +17,13 @@ from cramming.model import (
     ArchConfig,
     BertForMLM,
     KernelUnavailableError,
+    bert,
     build_model,
     count_parameters,
+    kernels_by_name,
     ops,
 )
-from cramming.model.ops import ATTENTION, alibi_bias, resolve_backends
+from cramming.model.ops import ATTENTION, alibi_bias, resolve_kernels
 
 CONF = Path(__file__).resolve().parent.parent / "conf" / "arch"
 VOCAB = 1000
@@ -175,7 +178,8 @@ def test_alibi_config_errors_name_the_fix():
 @pytest.mark.parametrize("attention_bias", ["none", "alibi"])
 @pytest.mark.parametrize("attention", ["eager", "sdpa"])
 def test_padded_tokens_do_not_change_real_ones(attention, attention_bias):
-    model = BertForMLM(tiny(attention_bias=attention_bias), VOCAB, dropout=0.0, attention=attention).eval()
+    kernels = kernels_by_name(attention=attention)
+    model = BertForMLM(tiny(attention_bias=attention_bias), VOCAB, dropout=0.0, kernels=kernels).eval()
     input_ids = torch.randint(5, VOCAB, (2, 12))
     mask = torch.ones(2, 12, dtype=torch.long)
     mask[1, 8:] = 0
@@ -184,6 +188,20 @@ def test_padded_tokens_do_not_change_real_ones(attention, attention_bias):
     a, b = model.encoder(input_ids, mask), model.encoder(other, mask)
     torch.testing.assert_close(a[1, :8], b[1, :8])
     assert not torch.allclose(a[1, 8:], b[1, 8:])
+
+
+def test_the_model_file_imports_torch_alone():
+    """An export carries bert.py as it is, beside the transformers wrapper: it must run with torch alone."""
+    tree = ast.parse(Path(bert.__file__).read_text())
+    imports = [node for node in ast.walk(tree) if isinstance(node, ast.Import | ast.ImportFrom)]
+    roots = {
+        alias.name.split(".")[0] for node in imports if isinstance(node, ast.Import) for alias in node.names
+    }
+    roots |= {
+        node.module.split(".")[0] for node in imports if isinstance(node, ast.ImportFrom) and node.module
+    }
+    assert all(node.level == 0 for node in imports if isinstance(node, ast.ImportFrom))
+    assert roots <= {"__future__", "collections", "dataclasses", "math", "torch"}, roots
 
 
 def test_sinusoidal_positions_are_not_saved_but_their_scale_is():
@@ -195,8 +213,10 @@ def test_sinusoidal_positions_are_not_saved_but_their_scale_is():
 def test_triton_falls_back_with_one_warning_on_cpu(monkeypatch, caplog):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with caplog.at_level(logging.WARNING, logger="cramming"):
-        chosen = resolve_backends("triton", "triton", torch.device("cpu"), strict=False)
-    assert chosen == ("sdpa", "torch")
+        chosen = resolve_kernels(
+            {"attention": "triton", "layernorm": "triton"}, torch.device("cpu"), strict=False
+        )
+    assert chosen == {"attention": "sdpa", "layernorm": "torch"}
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1
     assert "impl.attention=triton" in warnings[0].message and "impl.layernorm=triton" in warnings[0].message
@@ -212,14 +232,15 @@ def test_missing_kernel_module_falls_back(monkeypatch, caplog):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setitem(ops._TRITON_MODULES, "attention", "no.such.module")
     with caplog.at_level(logging.WARNING, logger="cramming"):
-        chosen = resolve_backends("triton", "torch", torch.device("cpu"), strict=False)
-    assert chosen == ("sdpa", "torch")
+        chosen = resolve_kernels({"attention": "triton"}, torch.device("cpu"), strict=False)
+    assert chosen == {"attention": "sdpa"}
     assert "cannot import no.such.module" in caplog.text
 
 
 def test_pytorch_backends_log_nothing(caplog):
     with caplog.at_level(logging.WARNING, logger="cramming"):
-        assert resolve_backends("eager", "torch", torch.device("cpu"), strict=True) == ("eager", "torch")
+        requested = {"attention": "eager", "layernorm": "torch", "ffn_activation": "torch", "loss": "torch"}
+        assert resolve_kernels(requested, torch.device("cpu"), strict=True) == requested
     assert caplog.records == []
 
 

@@ -11,7 +11,7 @@ import copy
 import pytest
 import torch
 
-from cramming.model import IGNORE_INDEX, ArchConfig, BertForMLM
+from cramming.model import IGNORE_INDEX, ArchConfig, BertForMLM, kernels_by_name
 
 VOCAB, BATCH, SEQ = 64, 4, 32
 TINY = ArchConfig(
@@ -36,7 +36,7 @@ def batch(gen: torch.Generator):
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
 def test_bf16_autocast_forward_backward_on_cpu(attention):
     torch.manual_seed(0)
-    model = BertForMLM(TINY, VOCAB, dropout=0.0, attention=attention, layernorm="torch")
+    model = BertForMLM(TINY, VOCAB, dropout=0.0, kernels=kernels_by_name(attention=attention))
     twin = copy.deepcopy(model)
     inputs, labels, mask = batch(torch.Generator().manual_seed(0))
 
@@ -63,7 +63,7 @@ def test_bf16_autocast_forward_backward_on_cpu(attention):
 def test_torch_compile_trains_on_cpu():
     """torch.compile (inductor, C++ on CPU) of the tiny model: a few steps, same losses as eager, falling."""
     torch.manual_seed(0)
-    eager = BertForMLM(TINY, VOCAB, dropout=0.0, attention="sdpa", layernorm="torch")
+    eager = BertForMLM(TINY, VOCAB, dropout=0.0, kernels=kernels_by_name(attention="sdpa"))
     compiled_model = copy.deepcopy(eager)
     compiled = torch.compile(compiled_model)
 

@@ -1,8 +1,10 @@
-"""Attention, LayerNorm, gated-activation and loss backends, chosen by name (`impl.attention`,
+"""Attention, LayerNorm, gated-activation and loss kernels, chosen by name (`impl.attention`,
 `impl.layernorm`, `impl.ffn_activation`, `impl.loss`).
 
-Every backend computes the same function; they differ only in speed and rounding. The `triton` entries
-import their kernels from `cramming.kernels` on first call, so this module imports without Triton.
+Every kernel computes the same function; they differ only in speed and rounding. The plain PyTorch ones the
+model runs with by default live in cramming/model/bert.py (an exported model carries that file alone); here
+are the others: the eager reference, the CPU-blocked cross-entropy, and the `triton` entries, which import
+their kernels from `cramming.kernels` on first call, so this module imports without Triton.
 `resolve_kernels` decides once, at model construction, whether a Triton kernel can launch here.
 """
 
@@ -11,36 +13,24 @@ from __future__ import annotations
 import importlib
 import logging
 import math
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
-from cramming.errors import KernelUnavailableError  # noqa: F401  raised here; the exit codes know it by this name
+from cramming.errors import KernelUnavailableError
+from cramming.model.bert import (
+    AttentionFn,
+    GatedActivationFn,
+    LayerNormFn,
+    LossFn,
+    alibi_bias,
+    cross_entropy,
+    sdpa_attention,
+    torch_gated_gelu,
+    torch_layer_norm,
+)
 
 log = logging.getLogger("cramming")
-
-# attention(q, k, v, key_padding_mask, dropout_p, alibi_slopes) -> out; q, k, v, out: (batch, heads, seq,
-# head_dim); key_padding_mask: (batch, seq) bool, True = a real token, or None when nothing is padded;
-# alibi_slopes: None, or (heads,) fp32 slopes of the ALiBi bias -slope_h * |i - j| on the scaled scores
-# (arch.attention_bias=alibi). The PyTorch backends add it as a dense `alibi_bias`; the Triton kernel computes
-# it in registers from the slopes.
-AttentionFn = Callable[..., torch.Tensor]
-# layer_norm(x, weight, bias, eps) -> normalized x over its last dimension
-LayerNormFn = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None", float], torch.Tensor]
-# gated_activation(h) -> gate * gelu(value) for h = [gate | value]: (..., 2F) -> (..., F)
-GatedActivationFn = Callable[[torch.Tensor], torch.Tensor]
-# loss(logits, labels, ignore_index) -> mean cross-entropy over the labelled rows, an fp32 scalar;
-# logits (n, vocab) in any float dtype, labels (n,) int64
-LossFn = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
-
-
-def alibi_bias(slopes: torch.Tensor, seq: int) -> torch.Tensor:
-    """ALiBi (Press et al., arXiv 2108.12409), symmetric for a bidirectional model: the (heads, seq, seq)
-    fp32 bias -slope_h * |i - j| for query i and key j, on the slopes' device."""
-    position = torch.arange(seq, device=slopes.device)
-    distance = (position[:, None] - position[None, :]).abs().float()  # (seq, seq)
-    return -slopes.float()[:, None, None] * distance
 
 
 def eager_attention(q, k, v, key_padding_mask=None, dropout_p: float = 0.0, alibi_slopes=None):
@@ -56,18 +46,6 @@ def eager_attention(q, k, v, key_padding_mask=None, dropout_p: float = 0.0, alib
     return probs @ v
 
 
-def sdpa_attention(q, k, v, key_padding_mask=None, dropout_p: float = 0.0, alibi_slopes=None):
-    """PyTorch's fused scaled_dot_product_attention (flash / memory-efficient kernels where they apply).
-    With ALiBi it takes the bias as a dense float mask of shape (1, heads, seq, seq): PyTorch's CPU flash
-    kernel takes a 4-D mask, while a 3-D one sends it to the unfused math path. bert-tiny's whole training
-    step is 1.15x faster for it in fp32 and 1.46x in bf16 (one thread; results/step-cpu.md)."""
-    mask = None if key_padding_mask is None else key_padding_mask[:, None, None, :]
-    if alibi_slopes is not None:  # one float mask: the bias, and the most negative number on padded keys
-        bias = alibi_bias(alibi_slopes, q.shape[-2]).to(q.dtype)[None]
-        mask = bias if mask is None else bias.masked_fill(~mask, torch.finfo(q.dtype).min)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
-
-
 def triton_attention(q, k, v, key_padding_mask=None, dropout_p: float = 0.0, alibi_slopes=None):
     """The fused FlashAttention-2 kernel; ALiBi from the slopes inside it, no (heads, seq, seq) tensor."""
     from cramming.kernels.attention import flash_attention
@@ -77,19 +55,10 @@ def triton_attention(q, k, v, key_padding_mask=None, dropout_p: float = 0.0, ali
     )
 
 
-def torch_layer_norm(x, weight, bias=None, eps: float = 1e-12):
-    return F.layer_norm(x, x.shape[-1:], weight, bias, eps)
-
-
 def triton_layer_norm(x, weight, bias=None, eps: float = 1e-12):
     from cramming.kernels.layernorm import layer_norm
 
     return layer_norm(x, weight, bias, eps)
-
-
-def torch_gated_gelu(h):
-    gate, value = h.chunk(2, dim=-1)  # each (..., F)
-    return gate * F.gelu(value)
 
 
 def triton_gated_gelu(h):
@@ -109,7 +78,7 @@ def torch_cross_entropy(logits, labels, ignore_index: int = -100):
         and not torch.compiler.is_compiling()
     ):
         return ChunkedCrossEntropy.apply(logits, labels, ignore_index)
-    return F.cross_entropy(logits.float(), labels, ignore_index=ignore_index)
+    return cross_entropy(logits, labels, ignore_index)
 
 
 class ChunkedCrossEntropy(torch.autograd.Function):
@@ -224,9 +193,3 @@ def resolve_kernels(requested: dict[str, str], device: torch.device, strict: boo
             "%s. Falling back to PyTorch: %s.", message, ", ".join(f"{k}={v}" for k, v in chosen.items())
         )
     return chosen
-
-
-def resolve_backends(attention: str, layernorm: str, device: torch.device, strict: bool) -> tuple[str, str]:
-    """`resolve_kernels` for the (attention, layernorm) pair."""
-    chosen = resolve_kernels({"attention": attention, "layernorm": layernorm}, device, strict)
-    return chosen["attention"], chosen["layernorm"]
