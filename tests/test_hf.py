@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import subprocess
@@ -31,7 +32,7 @@ from cramming.hf.export import (  # noqa: E402
 )
 from cramming.hf.export import main as export_main  # noqa: E402
 from cramming.hf.load import load_hf_backbone  # noqa: E402
-from cramming.model import ArchConfig, BertForMLM, build_model  # noqa: E402
+from cramming.model import ArchConfig, BertForMLM, bert, build_model, modeling_crammed_bert  # noqa: E402
 from cramming.model.checkpoint import TOKENIZER, save_pretrained  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
@@ -192,6 +193,7 @@ def test_crammed_export_runs_in_transformers_alone(crammed, fresh):
     result = fresh
     assert result["class"] == "CrammedBertForMaskedLM"
     assert sorted(p.name for p in out.iterdir()) == [
+        "bert.py",
         "config.json",
         "model.safetensors",
         "modeling_crammed_bert.py",
@@ -199,6 +201,8 @@ def test_crammed_export_runs_in_transformers_alone(crammed, fresh):
         "tokenizer.json",
         "tokenizer_config.json",
     ]
+    for module in (bert, modeling_crammed_bert):  # the code that trained, not a copy kept in step by hand
+        assert (out / Path(module.__file__).name).read_bytes() == Path(module.__file__).read_bytes()
     ours = encode_batch(Tokenizer.from_file(str(checkpoint / TOKENIZER)), PAIRS)
     batch = result["batch"]
     for key in ("input_ids", "token_type_ids", "attention_mask"):  # the exported tokenizer is ours
@@ -263,7 +267,7 @@ def test_bert_base_exports_as_native_bert(tmp_path):
     out = to_transformers(checkpoint, tmp_path / "hf")
     config = json.loads((out / "config.json").read_text())
     assert config["model_type"] == "bert" and "auto_map" not in config
-    assert not (out / "modeling_crammed_bert.py").exists()
+    assert not (out / "modeling_crammed_bert.py").exists() and not (out / "bert.py").exists()
     hf = transformers.BertForMaskedLM.from_pretrained(out).eval()
     batch = encode_batch(Tokenizer.from_file(str(checkpoint / TOKENIZER)), PAIRS)
     assert batch["token_type_ids"].any()  # the token-type embeddings are exercised
@@ -351,6 +355,15 @@ def test_sequence_classifier_export(tmp_path, name, pooler_width, model_type):
     with torch.no_grad():
         loss = hf(**batch, labels=labels).loss
     torch.testing.assert_close(loss, torch.nn.functional.cross_entropy(expected, labels), rtol=0, atol=ATOL)
+
+
+def test_the_config_carries_every_arch_field_that_changes_the_output():
+    ours = arch("bert-base", **SMALL_BERT_BASE, attention_bias="alibi", alibi_slopes=[0.5, 0.0, 1.0, 0.25])
+    back = crammed_config(ours, 100, SpecialTokens()).to_arch()
+    for field in dataclasses.fields(ours):
+        if field.name not in modeling_crammed_bert.NOT_EXPORTED:
+            assert getattr(back, field.name) == getattr(ours, field.name), field.name
+    assert back.padding_idx is None  # transformers fine-tunes the [PAD] row as any other
 
 
 def test_export_errors_name_the_problem(crammed, tmp_path):

@@ -1,7 +1,8 @@
 """Models that leave the framework, and models that come in: Hugging Face `transformers` export and import.
 
 export.py writes a checkpoint as a `transformers` folder (a native BertForMaskedLM where the arch is the
-original BERT's, else the crammed BERT of modeling_crammed_bert.py as remote code); load.py wraps any local
+original BERT's, else the crammed BERT as remote code: cramming/model/bert.py and its transformers wrapper
+cramming/model/modeling_crammed_bert.py, copied as they are); load.py wraps any local
 `transformers` encoder folder as a fine-tuning Backbone. Importing this package registers the crammed BERT
 with the Auto* factories, so exported folders load in this process without `trust_remote_code`.
 
@@ -18,7 +19,7 @@ except ImportError as err:
         " pip install 'cramming[hf]'"
     ) from err
 
-from cramming.hf.modeling_crammed_bert import (
+from cramming.model.modeling_crammed_bert import (
     CrammedBertConfig,
     CrammedBertForMaskedLM,
     CrammedBertForSequenceClassification,

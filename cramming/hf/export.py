@@ -2,14 +2,15 @@
 
 out/
     config.json              BertConfig (model_type bert), or CrammedBertConfig (crammed_bert) with auto_map
-    modeling_crammed_bert.py the remote code of a crammed_bert folder (torch + transformers only)
+    modeling_crammed_bert.py the remote code of a crammed_bert folder: the transformers classes, and
+    bert.py                  the model they wrap; both copied from cramming/model/ as they are
     model.safetensors        the weights under the transformers model's key names
     tokenizer.json, tokenizer_config.json, special_tokens_map.json
                              the checkpoint's tokenizer as a plain PreTrainedTokenizerFast
 
 Format `bert` is a native BertForMaskedLM / BertForSequenceClassification: only for an arch that computes
 what BERT computes (conf/arch/bert-base.yaml at any size). Format `crammed_bert` expresses every ArchConfig
-option through modeling_crammed_bert.py. `auto` picks `bert` where it applies.
+option through cramming's own model code. `auto` picks `bert` where it applies.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ from transformers import BertConfig, BertForMaskedLM, BertForSequenceClassificat
 
 from cramming.data.tokenizer import SpecialTokens
 from cramming.errors import ConfigError, WriteFailed
-from cramming.hf import modeling_crammed_bert as crammed
+from cramming.model import bert as core
+from cramming.model import modeling_crammed_bert as crammed
 from cramming.model.checkpoint import (
     MODEL_CONFIG,
     TOKENIZER,
@@ -42,37 +44,9 @@ from cramming.model.checkpoint import (
 from cramming.model.config import ArchConfig
 
 FORMATS = ("auto", "bert", "crammed_bert")
-MODELING_FILE = Path(crammed.__file__)
-
-# Every ArchConfig field -> its CrammedBertConfig keyword, or None for a field that changes no output:
-# `name` is a label, `sparse_prediction` picks which positions the training loss decodes, `padding_idx` only
-# keeps the [PAD] row's gradient at zero.
-CRAMMED_FIELDS = {
-    "name": None,
-    "num_layers": "num_hidden_layers",
-    "hidden_size": "hidden_size",
-    "num_heads": "num_attention_heads",
-    "intermediate_size": "intermediate_size",
-    "ffn": "ffn",
-    "norm_scheme": "norm_scheme",
-    "bias": "bias",
-    "norm_bias": "norm_bias",
-    "position_embedding": "position_embedding",
-    "max_seq_length": "max_position_embeddings",
-    "attention_bias": "attention_bias",
-    "alibi_slopes": "alibi_slopes",
-    "type_vocab_size": "type_vocab_size",
-    "embedding_norm": "embedding_norm",
-    "final_norm": "final_norm",
-    "head_transform": "head_transform",
-    "decoder_bias": "decoder_bias",
-    "tie_embeddings": "tie_word_embeddings",
-    "sparse_prediction": None,
-    "padding_idx": None,
-    "norm_eps": "layer_norm_eps",
-    "dropout": "hidden_dropout_prob",  # and attention_probs_dropout_prob: cramming has one dropout
-    "init_std": "initializer_range",
-}
+# the remote code of a crammed_bert folder: the wrapper first (config.json's auto_map names it), then the model
+# code it imports relatively
+MODELING_FILES = (Path(crammed.__file__), Path(core.__file__))
 
 # What BERT computes, as ArchConfig values; type_vocab_size must also be at least 1
 BERT_ARCH = {
@@ -123,13 +97,14 @@ def crammed_config(
 ) -> crammed.CrammedBertConfig:
     """The CrammedBertConfig of `arch`; head: classifier keywords (num_labels, classifier_head_dim, ...)."""
     values = asdict(arch)
-    unknown = sorted(set(values) - set(CRAMMED_FIELDS))
+    known = {field.name for field in crammed.ARCH_FIELDS.values()} | set(crammed.NOT_EXPORTED)
+    unknown = sorted(set(values) - known)
     if unknown:
         raise ExportError(
-            f"arch option(s) {', '.join(f'arch.{k}' for k in unknown)} unknown to the exporter: the"
-            " crammed_bert modeling file cannot express them (add them to cramming/hf/)"
+            f"arch option(s) {', '.join(f'arch.{k}' for k in unknown)} unknown to the exporter: the model"
+            " code an export carries is cramming/model/bert.py, and its Arch has no such field"
         )
-    kwargs = {hf: values[ours] for ours, hf in CRAMMED_FIELDS.items() if hf is not None}
+    kwargs = {name: values[field.name] for name, field in crammed.ARCH_FIELDS.items()}
     kwargs["attention_probs_dropout_prob"] = arch.dropout
     try:
         return crammed.CrammedBertConfig(
@@ -292,14 +267,15 @@ def _write_folder(
     model: PreTrainedModel, tokenizer: Tokenizer, special: SpecialTokens, out: Path, max_length: int
 ) -> None:
     if isinstance(model.config, crammed.CrammedBertConfig):
-        module = MODELING_FILE.stem
+        module = MODELING_FILES[0].stem
         model.config.auto_map = {
             "AutoConfig": f"{module}.CrammedBertConfig",
             "AutoModel": f"{module}.CrammedBertModel",
             "AutoModelForMaskedLM": f"{module}.CrammedBertForMaskedLM",
             "AutoModelForSequenceClassification": f"{module}.CrammedBertForSequenceClassification",
         }
-        shutil.copyfile(MODELING_FILE, out / MODELING_FILE.name)
+        for path in MODELING_FILES:
+            shutil.copyfile(path, out / path.name)
     model.save_pretrained(out)
     _write_tokenizer(tokenizer, special, out, max_length)
 
@@ -427,7 +403,7 @@ def main(argv: list[str] | None = None) -> None:
             raise
         print(f"export failed: {err}", file=sys.stderr)
         sys.exit(code)
-    remote = (out / MODELING_FILE.name).is_file()
+    remote = (out / MODELING_FILES[0].name).is_file()
     flag = ", trust_remote_code=True" if remote else ""
     print(f"wrote {out}")
     print(f"load it:  AutoModelForMaskedLM.from_pretrained({str(out)!r}{flag})")
