@@ -10,6 +10,15 @@ Python run from the repository root (`python pretrain.py`, `python eval.py`, `py
 root first on `sys.path`, where this folder would answer a bare `import kernels`, the name of the PyPI
 distribution that transformers imports (`from kernels import ...`). Imported under that name, this file
 loads the distribution in its place, or an empty package when none is installed (see the end of the file).
+
+No packaging avoids that hand-over. The folder shadows the distribution because this `__init__.py` makes it
+a regular package, and the first regular package on sys.path wins. Without the file the folder would be a
+namespace portion, which loses to a regular `kernels` anywhere on the path (PEP 420: a namespace package is
+made only when no sys.path entry holds a regular package or module of that name). But then the editable
+install (`pip install -e .`, setuptools 84) cannot import `cramming.kernels`: its finder maps that name to
+this folder only through an `__init__.py` (or a `kernels.py` beside the folder), and its namespace hook
+serves top-level names only; a wheel would install it, as a namespace subpackage. The folder's name is the
+design's, and the root on sys.path is Python's doing (`python pretrain.py`, `python -m pytest`).
 """
 
 from __future__ import annotations
