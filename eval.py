@@ -20,8 +20,8 @@ from cramming.eval.backbone import Backbone
 from cramming.eval.config import EvalRunConfig
 from cramming.eval.run import checkpoint_backbone, earlier_evaluation, glue_record, run_glue
 from cramming.job.runcard import RunCard, run_entry_point, run_job
+from cramming.job.trackers import start_trackers
 from cramming.model.checkpoint import resolve_checkpoint
-from cramming.trackers.session import start_trackers
 
 log = logging.getLogger("cramming")
 register_configs()

@@ -17,7 +17,7 @@ from cramming.data import PretrainingData, prepare_pretraining_data
 from cramming.eval.anytime import AnytimeEval
 from cramming.job.exits import RunStopped, stop_at_once
 from cramming.job.runcard import RunCard, run_entry_point, run_job
-from cramming.trackers.session import start_trackers
+from cramming.job.trackers import start_trackers
 from cramming.train import state as train_state
 from cramming.train.loop import TrainResult, train
 from cramming.train.ranks import init_from_env, local_main_first, rank_zero_value, shutdown

@@ -20,8 +20,9 @@ import pytest
 from test_train import make_config
 
 from cramming.errors import ConfigError
+from cramming.job import trackers as session
 from cramming.job.runcard import RunCard
-from cramming.trackers import registry, session
+from cramming.trackers import registry
 from cramming.trackers.base import Tracker, numbers
 from cramming.trackers.config import TrackingConfig
 

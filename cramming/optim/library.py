@@ -35,8 +35,8 @@ import torch
 from torch import nn
 
 from cramming.errors import ConfigError
-from cramming.optim import LAYERWISE, build_optimizer
 from cramming.optim.base import is_sharded
+from cramming.optim.build import LAYERWISE, build_optimizer
 from cramming.optim.config import OptimConfig
 
 # the keyword arguments create_optimizer takes besides name, kernel and max_grad_norm

@@ -28,7 +28,7 @@ class RunInfo:
 
 class Tracker:
     """A tracker's run: started by the constructor (which raises when it cannot start), then `log` at every
-    metrics record and `finish` once. The session (cramming.trackers.session) catches whatever they raise."""
+    metrics record and `finish` once. The session (cramming.job.trackers) catches whatever they raise."""
 
     name: ClassVar[str]
     # what to do when it fails: named in the one warning the run gets

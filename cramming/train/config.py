@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from cramming.errors import check_choice, config_error
+from cramming.impl import ImplConfig
+from cramming.model.config import ArchConfig
 from cramming.optim.config import OptimConfig
 from cramming.optim.schedules import LR_SCHEDULES
 from cramming.train.batches import largest_divisor
@@ -151,3 +154,17 @@ def check_batch_division(batch_size: int, microbatch_size: int | str, world_size
         f"it is not a whole number of micro-batches of impl.microbatch_size={microbatch_size}{where}, so the"
         f" run would train another batch than it records. Use a batch size divisible by {per_update}, or {hint}",
     )
+
+
+class PretrainRecipe(Protocol):
+    """What the pretraining loop reads of a run's configuration. cramming.config.PretrainConfig (the whole
+    `python pretrain.py` schema, which also knows evaluation and the trackers) is one; train/ does not import it."""
+
+    arch: ArchConfig
+    train: TrainConfig
+    impl: ImplConfig
+    budget: float  # hours of wall clock
+    name: str
+    seed: int
+    base_dir: str
+    resume: bool

@@ -24,7 +24,6 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 import torch._dynamo  # noqa: F401  imported before the budget clock starts: the first optimizer does it (5-10 s)
@@ -41,6 +40,7 @@ from cramming.optim.step import TrainStep
 from cramming.signals import STOP_SIGNALS, StopSignals, catch_stop_signals
 from cramming.train import autobatch, state
 from cramming.train.batches import accumulation_steps, microbatches, numbered
+from cramming.train.config import PretrainRecipe
 from cramming.train.metrics import EvalHook, Metrics, log_model_size, log_set_up
 from cramming.train.mlm import MLMMasker, mlm_accuracy_counts
 from cramming.train.parallel import Parallel
@@ -49,9 +49,6 @@ from cramming.train.state import Progress
 from cramming.train.validation import validation_metrics
 from cramming.utils import peak_memory_bytes, seed_everything
 
-if TYPE_CHECKING:  # annotations only: the top-level schema also knows eval/, which train/ never imports
-    from cramming.config import PretrainConfig
-
 log = logging.getLogger("cramming")
 
 
@@ -59,7 +56,7 @@ log = logging.getLogger("cramming")
 class Run:
     """Everything the loop works with."""
 
-    cfg: PretrainConfig
+    cfg: PretrainRecipe
     data: PretrainingData
     run_dir: Path
     parallel: Parallel
@@ -102,7 +99,7 @@ class TrainResult:
 
 
 def set_up(
-    cfg: PretrainConfig,
+    cfg: PretrainRecipe,
     data: PretrainingData,
     run_dir: Path,
     clock: Callable[[], float],
@@ -161,7 +158,7 @@ def set_up(
 
 
 def make_train_step(
-    model: nn.Module, cfg: PretrainConfig, parallel: Parallel, dtype: torch.dtype
+    model: nn.Module, cfg: PretrainRecipe, parallel: Parallel, dtype: torch.dtype
 ) -> TrainStep:
     """The optimizer of train.optim inside the one training step (a loss scaler for fp16 only)."""
     # layerwise optimizers clip each gradient in their hooks, and under DDP average it over reduce_group
@@ -195,7 +192,7 @@ def training_batches(run: Run) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def train(
-    cfg: PretrainConfig,
+    cfg: PretrainRecipe,
     data: PretrainingData,
     run_dir: str | Path,
     clock: Callable[[], float] = time.monotonic,

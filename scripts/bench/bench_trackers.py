@@ -54,8 +54,8 @@ def seconds_per_log(base_dir: Path, interval: float, records: int = 40) -> float
     `records` records of a pretraining's shape logged `interval` seconds apart (the time between two log steps
     of a run, so that MLflow's requests bundle as many records as in a run), each call timed."""
     from cramming.job.runcard import RunCard
+    from cramming.job.trackers import start_trackers
     from cramming.trackers.config import TrackingConfig
-    from cramming.trackers.session import start_trackers
 
     os.environ["WANDB_MODE"] = "offline"
     run_dir = base_dir / "in-process"

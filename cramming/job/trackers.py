@@ -18,16 +18,13 @@ import logging
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING
 
+from cramming.job.runcard import RunCard
 from cramming.trackers.base import RunInfo, Tracker, numbers
 from cramming.trackers.config import TrackingConfig
 from cramming.trackers.registry import TRACKERS
 from cramming.trackers.sweep import sweep_group
 from cramming.utils import atomic_write_text
-
-if TYPE_CHECKING:
-    from cramming.job.runcard import RunCard
 
 log = logging.getLogger("cramming")
 
