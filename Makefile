@@ -17,7 +17,7 @@ install: $(VENV)/.installed
 
 # The main job on the embedded corpus: no network, no extra data needed. Three minutes of pretraining on one
 # CPU thread with the recipe of conf/sweep/demo.yaml (bert-tiny with the ALiBi distance bias, batch 16), which
-# ends with a model that uses context; results/demo.md has the runs that chose it.
+# ends with a model that uses context; results/demo/ has the runs that chose it.
 demo: install
 	$(PY) pretrain.py +sweep=demo
 

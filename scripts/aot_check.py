@@ -1,6 +1,6 @@
 """Compile every Triton kernel for real NVIDIA GPUs without one: registers, spills, shared memory.
 
-    python scripts/aot_check.py                       # full grid -> results/kernels-aot.md (~15 min, 1 core)
+    python scripts/aot_check.py                       # full grid -> results/kernels/aot.md (~15 min, 1 core)
     python scripts/aot_check.py --subset              # the part tests/test_kernels_aot.py checks
     python scripts/aot_check.py --targets 86 --kernels attention --dtypes bf16 --out -
 
@@ -546,7 +546,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtypes", nargs="+", choices=DTYPES, default=list(DTYPES))
     parser.add_argument("--subset", action="store_true", help=f"only {SUBSET} (what the test compiles)")
     parser.add_argument(
-        "--out", default=str(REPO / "results" / "kernels-aot.md"), help="markdown path, - for stdout"
+        "--out", default=str(REPO / "results" / "kernels" / "aot.md"), help="markdown path, - for stdout"
     )
     parser.add_argument("--quiet", action="store_true")
     parser.add_argument(

@@ -1,7 +1,7 @@
 """Chaos test of pretraining: a tiny CPU run interrupted at random points by SIGKILL and SIGTERM (often in the
 middle of an update), resumed each time, then compared with an uninterrupted run of the same seed.
 
-    python scripts/chaos.py --interruptions 6 --out results/reliability.md
+    python scripts/chaos.py --interruptions 6 --out results/reliability/chaos.md
 
 Checks: the final weights are identical (max |dw| = 0), every state.pt / state.prev.pt left behind loads, no
 temporary file is left behind, and the budget a SIGTERM-stopped segment charged matches the wall time it spent
@@ -282,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=60, help="updates of the run (train.steps)")
     parser.add_argument("--seed", type=int, default=0, help="the runs' seed and the chaos's")
     parser.add_argument("--workdir", type=Path, default=REPO / "outputs" / "chaos")
-    parser.add_argument("--out", type=Path, default=REPO / "results" / "reliability.md")
+    parser.add_argument("--out", type=Path, default=REPO / "results" / "reliability" / "chaos.md")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     rows = run_chaos(args.workdir, args.interruptions, args.steps, args.seed, random.Random(args.seed))

@@ -17,9 +17,10 @@
 #   6. with 2 or more visible GPUs (and hydra installed), a 2-GPU FSDP2 pretraining run of the tiny model
 #      with train/optim=galore_adamw_8bit, 40 updates (torchrun --nproc_per_node=2); skipped with a line
 #      saying why otherwise. It comes last: raise BUDGET_S when the earlier stages leave it no time.
-# Writes results/kernels-<gpu>.md, results/kernels-<gpu>-tests.log, results/kernels-aot-<gpu>.md,
-# results/step-cuda-<gpu>*.md, results/autobatch-<gpu>.md and results/fsdp2-galore-<gpu>.log (with the
-# run's metrics in results/fsdp2-galore-<gpu>-metrics.jsonl), and copies them to $OUT when set.
+# Writes results/kernels/<gpu>.md, results/kernels/<gpu>-tests.log, results/kernels/aot-<gpu>.md,
+# results/step-speed/cuda-<gpu>*.md, results/step-speed/autobatch-<gpu>.md and
+# results/optimizers/fsdp2-galore-<gpu>.log (with the run's metrics in
+# results/optimizers/fsdp2-galore-<gpu>-metrics.jsonl), and copies them to $OUT (same paths) when set.
 # Needs python with torch (CUDA), triton, pytest, transformers and PyYAML; not hydra, datasets or evaluate.
 #
 #   bash scripts/gpu_check.sh                 # PYTHON=python3.12 bash scripts/gpu_check.sh to choose one
@@ -35,9 +36,9 @@ assert torch.cuda.is_available()
 print(f"{torch.cuda.get_device_name()}: torch {torch.__version__}, triton {triton.__version__}")
 EOF
 GPU=$($PY -c "import torch; print(torch.cuda.get_device_name().lower().replace(' ', '-'))")
-mkdir -p results
-LOG="results/kernels-${GPU}-tests.log"
-MD="results/kernels-${GPU}.md"
+mkdir -p results/kernels results/step-speed results/optimizers
+LOG="results/kernels/${GPU}-tests.log"
+MD="results/kernels/${GPU}.md"
 
 # `kernels/` is installed as `cramming.kernels` by `pip install -e .`. Without that install (a bare
 # machine, no network), give Python an overlay package: cramming/* plus kernels/ as cramming/kernels.
@@ -87,7 +88,7 @@ TEST_RC=${PIPESTATUS[0]}
 
 # Ahead-of-time compile for this GPU's target against what the launchers compiled in the tests' place.
 echo "== AOT compile against the real build ($(date -u +%T))"
-AOT_MD="results/kernels-aot-${GPU}.md"
+AOT_MD="results/kernels/aot-${GPU}.md"
 CC=$($PY -c "import torch; a, b = torch.cuda.get_device_capability(); print(f'{a}{b}')")
 stage 90 $PY scripts/aot_check.py --targets "$CC" --dtypes bf16 --compare-gpu --quiet --out "$AOT_MD"
 AOT_RC=$?
@@ -99,20 +100,20 @@ BENCH_RC=$?
 
 # Training steps: the default fast path (compile, SDPA, torch LayerNorm, fused AdamW) against HF, then ours
 # with the Triton kernels. torch.compile of both models takes about a minute of the first stage.
-STEP_MD="results/step-cuda-${GPU}.md"
-STEP_TRITON_MD="results/step-cuda-${GPU}-triton.md"
+STEP_MD="results/step-speed/cuda-${GPU}.md"
+STEP_TRITON_MD="results/step-speed/cuda-${GPU}-triton.md"
 echo "== training-step benchmark ($(date -u +%T))"
 stage 120 $PY scripts/bench/bench_pretrain.py --arch crammed-bert --microbatch 128 --compile --profile 3 --out "$STEP_MD"
 STEP_RC=$?
 stage 80 $PY scripts/bench/bench_pretrain.py --arch crammed-bert --microbatch 128 --compile --no-hf \
     --attention triton --layernorm triton --ffn-activation triton --loss triton --rounds 3 --out "$STEP_TRITON_MD"
 echo "== micro-batch search ($(date -u +%T))"
-AUTOBATCH_MD="results/autobatch-${GPU}.md"
+AUTOBATCH_MD="results/step-speed/autobatch-${GPU}.md"
 stage 60 $PY scripts/bench/bench_pretrain.py --arch crammed-bert --autobatch --out "$AUTOBATCH_MD"
 # Two GPUs, FSDP2, GaLore with 8-bit moments: each rank projects its rows, gathering the whole gradient on
 # projector refreshes (every 10 updates here); proj_type=right shards all of GaLore's state.
-FSDP2_LOG="results/fsdp2-galore-${GPU}.log"
-FSDP2_METRICS="results/fsdp2-galore-${GPU}-metrics.jsonl"
+FSDP2_LOG="results/optimizers/fsdp2-galore-${GPU}.log"
+FSDP2_METRICS="results/optimizers/fsdp2-galore-${GPU}-metrics.jsonl"
 NGPU=$($PY -c "import torch; print(torch.cuda.device_count())")
 FSDP2_RC=0
 echo "== 2-GPU FSDP2 pretraining with galore_adamw_8bit ($(date -u +%T))"
@@ -140,11 +141,10 @@ echo "== done ($(date -u +%T))"
     echo "\`pytest ${TESTS[*]}\` exit status ${TEST_RC}: $(tail -n 1 "$LOG")"
 } >> "$MD"
 
-if [ -n "${OUT:-}" ]; then
-    mkdir -p "$OUT/results"
-    cp "$LOG" "$MD" "$OUT/results/"
-    for f in "$AOT_MD" "$STEP_MD" "$STEP_TRITON_MD" "$AUTOBATCH_MD" "$FSDP2_LOG" "$FSDP2_METRICS"; do
-        [ -f "$f" ] && cp "$f" "$OUT/results/"
+if [ -n "${OUT:-}" ]; then  # each file under the same path as here, so it lands in its study's folder
+    for f in "$LOG" "$MD" "$AOT_MD" "$STEP_MD" "$STEP_TRITON_MD" "$AUTOBATCH_MD" "$FSDP2_LOG" \
+        "$FSDP2_METRICS"; do
+        [ -f "$f" ] && mkdir -p "$OUT/$(dirname "$f")" && cp "$f" "$OUT/$f"
     done
 fi
 echo "tests exit ${TEST_RC}, AOT exit ${AOT_RC}, kernel bench exit ${BENCH_RC}, step bench exit ${STEP_RC}," \

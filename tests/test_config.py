@@ -86,11 +86,11 @@ def test_run_directory_is_predictable():
 
 
 def test_cpu_study_sweep_composes_to_its_documented_recipe():
-    # results/cpu-study.md's one-line command: the sweep file must give exactly these settings
+    # results/cpu-study/'s one-line command: the sweep file must give exactly these settings
     cfg = validate(_compose("+sweep=cpu-study", "arch=bert-tiny", "budget=1"))
     assert cfg.arch.name == "bert-tiny" and cfg.arch.attention_bias == "alibi"
     assert cfg.data.tokenizer.vocab_size == 8192
-    # all twelve shards: read about once instead of two repeated (results/cpu-study.md, issue 33's fourth session)
+    # all twelve shards: read about once instead of two repeated (results/cpu-study/, issue 33's fourth session)
     assert cfg.data.sources["local"].files == "../shared/data/wikipedia-en-2015/train-*-of-00012.jsonl.gz"
     assert (cfg.train.batch_size, cfg.train.batch_size_ramp, cfg.impl.cpu_threads) == (64, 0, 1)
     mini = validate(_compose("+sweep=cpu-study", "arch=bert-mini"))

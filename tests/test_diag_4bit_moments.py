@@ -1,5 +1,5 @@
 """scripts/studies/diag_4bit_moments.py: pretraining with one adamw_4bit moment in 4 bits and the other in
-fp32 (the diagnostic of results/glue-optimizers.md). The fp32 moment must follow Adam's recursion exactly;
+fp32 (the diagnostic of results/optimizers/). The fp32 moment must follow Adam's recursion exactly;
 the 4-bit one must be what the optimizer codes."""
 
 from __future__ import annotations

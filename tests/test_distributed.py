@@ -670,7 +670,7 @@ def test_each_rank_holds_a_sharded_galore_state(launched_galore, tmp_path):
     # GALORE_SETTINGS project with `std`: weights with m < n go on the left, whose low-rank moments every rank
     # holds whole (replicated), as it holds the step counters and quantization scales of small tensors. On
     # this model that is 53.3% (fp32 moments), 55.4% (8-bit) and 56.1% (4-bit): the 55% goal of the issue is
-    # met by proj_type=right (every moment sharded, results/optim_memory.md), not by `std`. A replicated
+    # met by proj_type=right (every moment sharded, results/optimizers/memory.md), not by `std`. A replicated
     # state would be 100%; the bound catches that and any projector or moment that stops being sharded.
     assert max(shares.values()) <= 0.6, shares
 

@@ -71,7 +71,7 @@ def test_every_optimizer_family_fits_the_training_subset(sst2, optim):
     """A tiny model fine-tuned on 160 SST-2 sentences beats the majority class on those sentences."""
     subset, checkpoint = sst2
     # GaLore's scale ~ sqrt(width / rank) = sqrt(64 / 8): its update then has AdamW's norm
-    # (results/glue-optimizers.md); at scale 1 it moves a third as far and may not leave chance in 80 updates
+    # (results/optimizers/); at scale 1 it moves a third as far and may not leave chance in 80 updates
     settings = replace(EvalConfig().optim, name=optim, lr=2e-3, rank=8, scale=3.0, update_proj_gap=50)
     cfg = EvalConfig(tasks=["SST-2"], optim=settings, epochs=8, batch_size=16)
     splits = {"train": subset, "dev": subset}  # evaluated on what it was trained on: can it learn at all

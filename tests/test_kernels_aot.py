@@ -3,7 +3,7 @@
 Compiles (does not run) the kernels for sm_86 (Ampere's register file and its smaller 99 KB of shared
 memory) and sm_90 (Hopper) in bf16 with `scripts/aot_check.py --subset`: no GPU needed, only triton's
 NVIDIA backend and the ptxas it ships. The full grid (sm_80/86/89/90 x bf16/fp16/fp32) is the script's
-default run, whose table is results/kernels-aot.md.
+default run, whose table is results/kernels/aot.md.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """The 4-bit first-moment formats (optim.first_moment_format): `block` codes m in blocks of 128, `normalized`
 codes m / sqrt(v) of each element's stored second moment. On the wide-gradient trajectory of
 tests/test_optim_drift.py the block format lets single weights move several times as far as fp32 AdamW's
-largest move; the normalized one much less (results/optim_quality.md). Also: the format is recorded in the
-state, a state of the other format (or one saved before the format was recorded) is converted when loaded,
-and a resumed run is exact."""
+largest move; the normalized one much less (results/optimizers/quality.md). Also: the format is recorded in
+the state, a state of the other format (or one saved before the format was recorded) is converted when
+loaded, and a resumed run is exact."""
 
 from __future__ import annotations
 

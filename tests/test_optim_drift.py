@@ -92,7 +92,7 @@ def test_dynamic_map_blows_up_on_wide_gradients(fp32_displacement):
 
 def test_bitsandbytes_reference_on_wide_gradients(fp32_displacement):
     """The independent implementation on the same trajectory (its CPU step); recorded beside ours in
-    results/optim_quality.md. Only sanity is asserted: its map has the zero point, its kernel a different
+    results/optimizers/quality.md. Only sanity is asserted: its map has the zero point, its kernel a different
     rounding, so it lands elsewhere in the band."""
     pytest.importorskip("bitsandbytes", reason="bitsandbytes is not installed (a test extra)")
     ratio = displacement("adamw_8bit", backend="bitsandbytes") / fp32_displacement["adamw"]

@@ -146,7 +146,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     kind = "gpu" if args.gpu else "cpu"
-    out = args.out or REPO / "results" / f"budget-{kind}.md"
+    out = args.out or REPO / "results" / "budget" / f"{kind}.md"
     stamp = time.strftime("%Y-%m-%d_%H-%M-%S")
     torch.set_num_threads(args.threads)
 

@@ -305,7 +305,7 @@ def main() -> int:
     parser.add_argument("--sweep", action="store_true", help="also time a few attention tile sizes")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, few repetitions (the CPU default)")
     parser.add_argument(
-        "--out", type=Path, default=None, help="markdown file (default results/kernels-<gpu>.md)"
+        "--out", type=Path, default=None, help="markdown file (default results/kernels/<gpu>.md)"
     )
     args = parser.parse_args()
 
@@ -371,7 +371,7 @@ def main() -> int:
     if not CUDA and args.out is None:  # a smoke check: nothing worth keeping under results/
         print("\n".join(lines))
         return 0
-    out_path = args.out or REPO / "results" / f"kernels-{gpu.lower().replace(' ', '-')}.md"
+    out_path = args.out or REPO / "results" / "kernels" / f"{gpu.lower().replace(' ', '-')}.md"
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text("\n".join(lines))
     print(f"wrote {out_path}")

@@ -1,9 +1,9 @@
 """Optimizer-state memory, CPU step time and update quality of every optimizer, side by side, as markdown.
 
-    python scripts/bench/bench_optim.py                  # crammed-BERT-sized parameter set; writes results/optim_memory.md
+    python scripts/bench/bench_optim.py                  # crammed-BERT-sized parameter set; writes results/optimizers/memory.md
     python scripts/bench/bench_optim.py --layers 2       # a scaled copy (quick look)
     python scripts/bench/bench_optim.py --device cuda    # step times on the GPU (8-bit: the fused Triton kernel)
-    python scripts/bench/bench_optim.py --quality        # wide-gradient drift + 4-bit memory: results/optim_quality.md
+    python scripts/bench/bench_optim.py --quality        # wide-gradient drift + 4-bit memory: results/optimizers/quality.md
 
 Quality (--quality): the wide-gradient trajectory of tests/test_optim_drift.py (one 64x512 weight, 200
 steps, per-element gradient scales over three decades in every block, one column in ten 20x larger): each
@@ -424,7 +424,9 @@ def main() -> None:
     # one thread: on a shared CPU more threads mostly contend (2 threads ran SVDs 5x slower here)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--device", default="cpu", help="where the step times are taken (cpu or cuda)")
-    parser.add_argument("--out", type=Path, default=None, help="default results/optim_{memory,quality}.md")
+    parser.add_argument(
+        "--out", type=Path, default=None, help="default results/optimizers/{memory,quality}.md"
+    )
     parser.add_argument("--quality", action="store_true", help="the wide-gradient drift and 4-bit memory")
     parser.add_argument("--note", default="", help="written under the command, e.g. what else was running")
     args = parser.parse_args()
@@ -434,7 +436,7 @@ def main() -> None:
     if args.quality:
         text = quality_report(args.layers, command, args.note)
         print(text)
-        out = args.out or REPO / "results" / "optim_quality.md"
+        out = args.out or REPO / "results" / "optimizers" / "quality.md"
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(text)
         return
@@ -468,7 +470,7 @@ def main() -> None:
         "2-D weights.\n\n" + table(mem, times, n_all, n_2d) + "\n"
     )
     print(text)
-    out = args.out or REPO / "results" / "optim_memory.md"
+    out = args.out or REPO / "results" / "optimizers" / "memory.md"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(text)
 

@@ -4,7 +4,7 @@
 
 Each phase runs in a fresh child process, so its peak memory (its own plus its worker processes') is its
 alone. The reference, measured in the same run, is the floor any pipeline pays: decompressing and parsing
-the JSON lines of the same shard. Writes results/preprocessing.md.
+the JSON lines of the same shard. Writes results/preprocessing/one-shard.md.
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ def main() -> None:
     parser.add_argument("--shard", type=Path, default=DEFAULT_SHARD)
     parser.add_argument("--vocab", type=int, default=32768)
     parser.add_argument("--num-proc", type=int, default=2)
-    parser.add_argument("--out", type=Path, default=REPO / "results" / "preprocessing.md")
+    parser.add_argument("--out", type=Path, default=REPO / "results" / "preprocessing" / "one-shard.md")
     args = parser.parse_args()
     if not args.shard.exists():
         raise SystemExit(

@@ -595,7 +595,7 @@ def main() -> None:
         "--profile", type=int, default=0, help="append a torch.profiler table of N of our steps"
     )
     parser.add_argument(
-        "--out", type=Path, default=None, help="markdown file (default: results/step-<device>.md)"
+        "--out", type=Path, default=None, help="markdown file (default: results/step-speed/<device>.md)"
     )
     parser.add_argument(
         "--autobatch", action="store_true", help="run the impl.microbatch_size=auto search instead"
@@ -621,7 +621,7 @@ def main() -> None:
         if args.device.startswith("cuda")
         else "cpu"
     )
-    out = args.out or REPO / "results" / f"{'autobatch' if args.autobatch else 'step'}-{kind}.md"
+    out = args.out or REPO / "results" / "step-speed" / f"{'autobatch-' if args.autobatch else ''}{kind}.md"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(text)
     print(text)

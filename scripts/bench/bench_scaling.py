@@ -2,7 +2,7 @@
 
     torchrun --standalone --nproc_per_node=1 scripts/bench/bench_scaling.py                 # the 1-GPU baseline
     torchrun --standalone --nproc_per_node=8 scripts/bench/bench_scaling.py --mode fsdp2
-    for n in 1 2 4 8; do torchrun --standalone --nproc_per_node=$n scripts/bench/bench_scaling.py --out results/scaling.md; done
+    for n in 1 2 4 8; do torchrun --standalone --nproc_per_node=$n scripts/bench/bench_scaling.py --out results/step-speed/scaling.md; done
 
 Each rank trains crammed-bert (or --arch) on random token rows (sequence 128, vocabulary 32768, the bert-o4
 masking) with the loop's own pieces: cramming.train.distributed for the process group, the DDP / FSDP2

@@ -15,7 +15,7 @@ length, trash and dedup filters), and counts:
 
 Settings: `before` = ascii_only off, no alphabet limit (the behaviour before both existed); `limit` =
 ascii_only off, limit_alphabet 1000 (BERT's choice); `after` = ascii_only on, limit_alphabet 1000 (the
-data configs' default). Writes the figures as JSON to --out (default results/tokenizer.json).
+data configs' default). Writes the figures as JSON to --out (default results/tokenizer/alphabet.json).
 """
 
 from __future__ import annotations
@@ -96,7 +96,7 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=32768)
     parser.add_argument("--heldout", type=int, default=11, help="index of the held-out shard")
     parser.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
-    parser.add_argument("--out", type=Path, default=REPO / "results" / "tokenizer.json")
+    parser.add_argument("--out", type=Path, default=REPO / "results" / "tokenizer" / "alphabet.json")
     args = parser.parse_args()
     if args.heldout < max(args.shards):
         raise SystemExit(

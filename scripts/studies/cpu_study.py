@@ -1,4 +1,4 @@
-"""Tables and a plot of the CPU study (results/cpu-study.md) from its GLUE evaluation folders.
+"""Tables and a plot of the CPU study (results/cpu-study/) from its GLUE evaluation folders.
 
 Each evaluation folder holds glue_results.json (eval.py writes it), which also carries the pretraining run's
 updates, time and held-out MLM / context-use figures. Give each folder a label:

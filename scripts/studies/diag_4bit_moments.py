@@ -1,5 +1,5 @@
 """Pretraining with only one of adamw_4bit's two moments in 4 bits, the other in fp32: which moment costs
-held-out loss at equal updates (results/glue-optimizers.md, "4-bit: does it fall behind, and why").
+held-out loss at equal updates (results/optimizers/, "4-bit: does it fall behind, and why").
 
     python scripts/studies/diag_4bit_moments.py first  +sweep=cpu-study arch=bert-tiny train/optim=adamw_4bit ...
     python scripts/studies/diag_4bit_moments.py second +sweep=cpu-study arch=bert-tiny train/optim=adamw_4bit ...

@@ -1,11 +1,11 @@
-"""Tables and a plot of the optimizer study (results/glue-optimizers.md) from its run folders.
+"""Tables and a plot of the optimizer study (results/optimizers/) from its run folders.
 
 GLUE fine-tuning, one evaluation folder (eval.py's glue_results.json) per optimizer row, the reference row
 first (AdamW on the same checkpoint, seeds and recipe). It reads evaluations with cpu_study's readers, so it
 runs as a module from the repository root:
 
     python -m scripts.studies.optim_study glue adamw=outputs/gopt-tiny-adamw/<stamp> \
-        adamw_8bit=outputs/gopt-tiny-adamw_8bit/<stamp> ... --title bert-tiny --plot results/glue-optimizers-tiny.png
+        adamw_8bit=outputs/gopt-tiny-adamw_8bit/<stamp> ... --title bert-tiny --plot results/optimizers/glue-optimizers-tiny.png
 
 Pretraining at equal updates, one label per optimizer and a comma-separated list of its runs (one per seed),
 the reference first:

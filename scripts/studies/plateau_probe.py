@@ -4,7 +4,7 @@ A plain loop (AdamW, linear warm-up then a constant rate, clipping 0.5, no batch
 processed dataset, with the package's model, MLM masker and context-use diagnostic
 (cramming/train/context.py), printed every 500 updates on 256 validation rows and at the end on all of them.
 It is deliberately simpler than pretrain.py (no budget schedule, no checkpoints) so each knob can be flipped
-alone; results/cpu-study.md lists the probes that were run and what they showed.
+alone; results/cpu-study/ lists the probes that were run and what they showed.
 
     python scripts/studies/plateau_probe.py --data outputs/data/<folder> --seconds 400                 # bert-tiny as is
     python scripts/studies/plateau_probe.py --data outputs/data/<folder> --set attention_bias=alibi    # + distance bias

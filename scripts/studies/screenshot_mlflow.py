@@ -1,7 +1,7 @@
 """What a user sees of a sweep in MLflow: a local tracking server, a two-job tiny pretraining sweep logged to it
 (trackers=[mlflow]), and a headless Chromium screenshot of the experiment page with the sweep's runs.
 
-    python scripts/studies/screenshot_mlflow.py --out results/mlflow-sweep.png
+    python scripts/studies/screenshot_mlflow.py --out results/trackers/mlflow-sweep.png
 
 Needs mlflow (pip install -e .[trackers]) and a Chromium (Debian: apt-get install chromium). Everything else
 (the server's SQLite store, the runs) goes into a temporary folder, removed at the end; --keep leaves the server
@@ -110,7 +110,7 @@ def screenshot(url: str, out: Path, profile: Path, size: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=REPO / "results" / "mlflow-sweep.png")
+    parser.add_argument("--out", type=Path, default=REPO / "results" / "trackers" / "mlflow-sweep.png")
     parser.add_argument("--size", default="1400,900", help="browser window, width,height")
     parser.add_argument("--keep", action="store_true", help="leave the server running (its URL is printed)")
     args = parser.parse_args()
