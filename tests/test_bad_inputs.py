@@ -102,7 +102,16 @@ CASES = [
     pretrain("batch-below-micro", "train.batch_size=4", words=("train.batch_size", "impl.microbatch_size=4")),
     pretrain("unknown-top-key", "+foo=1", words=("unknown", "foo")),
     pretrain("unknown-nested-key", "+train.foo=1", words=("unknown", "train.foo")),
-    pretrain("misspelled-key", "train.batchsize=8", words=("batchsize",)),
+    pretrain("misspelled-key", "train.batchsize=8", words=("batchsize", "did you mean", "train.batch_size")),
+    pretrain(
+        "key-one-letter-off", "arch.num_head=3", words=("arch.num_head", "did you mean", "arch.num_heads")
+    ),
+    pretrain("key-transformers-name", "arch.num_attention_heads=3", words=("did you mean", "arch.num_heads")),
+    pretrain(
+        "optim-shorthand-unknown",
+        "train.optim=adam9",
+        words=("train.optim=adam9", "no optimizer", "adamw_8bit", "train/optim=adamw_8bit"),
+    ),
     pretrain("unknown-arch", "arch=nosuch", words=("arch", "nosuch")),
     pretrain("unknown-optimizer", "train.optim.name=nosuch", words=("train.optim.name", "choose one of")),
     pretrain("unknown-schedule", "train.lr_schedule=nosuch", words=("train.lr_schedule", "choose one of")),
@@ -177,6 +186,19 @@ CASES = [
     Case("control-export", (EXPORT, "{run}", "{bad}/exported"), 0, ("wrote",)),
     pretrain(
         "control-resume", "name=baseline", "resume=true", "train.steps=4", code=0, words=("resuming from",)
+    ),
+    # the transformers spelling of an optimizer, read as the config group (its settings file)
+    pretrain(
+        "control-optim-shorthand",
+        "train.optim=adamw_8bit",
+        code=0,
+        words=("train.optim=adamw_8bit is read as train/optim=adamw_8bit", "optimizer adamw_8bit"),
+    ),
+    evaluate(
+        "control-eval-optim-shorthand",
+        "eval.optim=adamw_8bit",
+        code=0,
+        words=("eval.optim=adamw_8bit is read as eval.optim.name=adamw_8bit", "glue results"),
     ),
 ]
 

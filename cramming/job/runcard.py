@@ -42,7 +42,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from cramming.errors import ConfigError, WriteFailed
 from cramming.impl import DEVICES, DTYPES, ImplConfig, cpu_bf16_support
-from cramming.job import exits
+from cramming.job import commandline, exits
 from cramming.utils import atomic_write_text, process_alive, process_rank
 
 log = logging.getLogger("cramming")
@@ -347,23 +347,11 @@ def run_entry_point(hydra_main: Callable[[], None]) -> None:
     Hydra is told (HYDRA_FULL_ERROR, unless the user set it) to pass its errors on rather than exit 1."""
     os.environ.setdefault("HYDRA_FULL_ERROR", "1")
     try:
+        sys.argv[1:] = commandline.rewrite_shorthands(sys.argv[1:])
         hydra_main()
     except (HydraException, OmegaConfBaseException, ConfigError) as err:
-        log.error("configuration error: %s", _config_message(err))
+        log.error("configuration error: %s", commandline.explain(err))
         sys.exit(exits.USER_ERROR)
-
-
-def _config_message(err: BaseException) -> str:
-    """The message of the innermost ConfigError behind `err` (ours name the key and the fix), else the chain's
-    messages: Hydra's 'Could not override ...' and omegaconf's 'full_key: ...'."""
-    chain, seen = [], set()
-    while err is not None and id(err) not in seen:
-        seen.add(id(err))
-        if isinstance(err, ConfigError):
-            return str(err)
-        chain.append(str(err).strip())
-        err = err.__cause__
-    return "\n".join(dict.fromkeys(m for m in chain if m))
 
 
 def card_for_hydra_job(kind: str, cfg: DictConfig) -> RunCard:

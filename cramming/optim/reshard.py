@@ -94,7 +94,7 @@ class Layout:
 
     @property
     def rows(self) -> list[tuple[int, int]]:
-        """(start, rows) of each rank's rows (FSDP2 shards a 0-dim parameter as 1 row: distributed.py)."""
+        """(start, rows) of each rank's rows (FSDP2 shards a 0-dim parameter as 1 row: cramming.train.parallel)."""
         return chunk_rows(self.shape[0] if self.shape else 1, self.world_size)
 
     @property

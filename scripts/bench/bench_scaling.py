@@ -5,7 +5,7 @@
     for n in 1 2 4 8; do torchrun --standalone --nproc_per_node=$n scripts/bench/bench_scaling.py --out results/step-speed/scaling.md; done
 
 Each rank trains crammed-bert (or --arch) on random token rows (sequence 128, vocabulary 32768, the bert-o4
-masking) with the loop's own pieces: cramming.train.distributed for the process group, the DDP / FSDP2
+masking) with the loop's own pieces: cramming.train.ranks for the process group and cramming.train.parallel, the DDP / FSDP2
 wrapper, gradient sync on the last of --accumulate micro-batches only and the rank-sliced masking; AdamW,
 bf16 autocast on CUDA, clipping. The first --warmup updates are not timed (compilation, NCCL set-up). Weak
 scaling: the micro-batch per GPU is fixed, so the global batch grows with N, as the recipe's accumulation
@@ -27,12 +27,13 @@ import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
-from cramming.impl import ImplConfig
+from cramming.impl import PARALLEL_MODES, ImplConfig
 from cramming.model import ArchConfig, build_model
 from cramming.optim import OptimConfig, build_optimizer
-from cramming.train import distributed
 from cramming.train.config import MLMConfig
 from cramming.train.mlm import MLMMasker
+from cramming.train.parallel import Parallel
+from cramming.train.ranks import init_from_env, shutdown
 
 CONF = Path(__file__).resolve().parents[2] / "conf" / "arch"
 
@@ -44,15 +45,17 @@ def load_arch(name: str) -> ArchConfig:
 
 
 def time_updates(args: argparse.Namespace) -> dict:
-    ranks = distributed.init_from_env(ImplConfig(device=args.device, distributed=args.mode))
+    parallel = Parallel(init_from_env(ImplConfig(device=args.device, distributed=args.mode)))
+    ranks = parallel.ranks
     device = ranks.device
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     torch.manual_seed(0)  # the same initial weights on every rank
     model = build_model(load_arch(args.arch), args.vocab, device=device, dropout=0.0)
-    step_model = distributed.prepare_model(model, ranks, "adamw", dtype)
+    model = parallel.shard(model, dtype)
+    optimizer = build_optimizer(model, OptimConfig())
+    step_model = parallel.wrap(model, optimizer)
     if args.compile:
         step_model = torch.compile(step_model)
-    optimizer = build_optimizer(model, OptimConfig())
     masker = MLMMasker(MLMConfig(), args.vocab, (0, 1, 2, 3, 4), mask_id=4)
     generator = torch.Generator().manual_seed(0)
     rows = torch.randint(5, args.vocab, (args.microbatch, args.seq), generator=generator)
@@ -62,7 +65,7 @@ def time_updates(args: argparse.Namespace) -> dict:
             torch.cuda.synchronize()
         start = time.perf_counter()
         for i in range(args.accumulate):
-            with distributed.grad_sync(step_model, ranks, sync=i == args.accumulate - 1):
+            with parallel.grad_sync(step_model, sync=i == args.accumulate - 1):
                 input_ids, labels = masker(rows, torch.arange(len(rows)) + ranks.rank * len(rows))
                 with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
                     loss = step_model(
@@ -93,7 +96,7 @@ def time_updates(args: argparse.Namespace) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", default="crammed-bert")
-    parser.add_argument("--mode", default="ddp", choices=tuple(distributed.PARALLEL))
+    parser.add_argument("--mode", default="ddp", choices=PARALLEL_MODES)
     parser.add_argument("--microbatch", type=int, default=128, help="sequences per micro-batch on each GPU")
     parser.add_argument("--accumulate", type=int, default=4, help="micro-batches per update")
     parser.add_argument("--seq", type=int, default=128)
@@ -122,7 +125,7 @@ def main() -> None:
             new = not args.out.exists()
             with open(args.out, "a", encoding="utf-8") as f:
                 f.write((header + "\n" if new else "") + row + "\n")
-    distributed.shutdown()
+    shutdown()
 
 
 if __name__ == "__main__":
