@@ -158,7 +158,7 @@ class ImplConfig:
 def cpu_bf16_support() -> tuple[bool, str]:
     """(whether this CPU has native bf16 dot products, which instructions), as PyTorch's CPU dispatch sees
     them: AVX-512 BF16 or AMX tiles on x86-64, the BF16 extension on Arm. Without them PyTorch emulates bf16
-    through fp32, which makes a training step slower than plain fp32 (results/step-cpu.md)."""
+    through fp32, which makes a training step slower than plain fp32 (results/step-speed/cpu-tiny.md)."""
     found = []
     cpu = getattr(torch, "cpu", None)
     for name, probe in (("avx512_bf16", "_is_avx512_bf16_supported"), ("amx", "_is_amx_tile_supported")):

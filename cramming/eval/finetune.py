@@ -124,7 +124,7 @@ class TaskResult:
     peak_memory_bytes: int | None = None
     # the mean training loss of each epoch (dropout on; a budget-stopped epoch: its updates so far): how well
     # the model fits the task's training set, which a longer-pretrained checkpoint can do worse at the same
-    # recipe (results/cpu-study.md)
+    # recipe (results/cpu-study/)
     epoch_losses: list[float] | None = None
 
 

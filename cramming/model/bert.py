@@ -32,7 +32,7 @@ CHOICES = {
     "position_embedding": ("scaled-sinusoidal", "learned"),
     # none: cramming. alibi: -slope_h * |i - j| added to head h's attention scores (Press et al. 2022,
     # symmetric), a prior toward nearby tokens; it lets small models leave the unigram plateau within a few
-    # hundred updates where absolute positions alone leave them there (results/cpu-study.md)
+    # hundred updates where absolute positions alone leave them there (results/cpu-study/)
     "attention_bias": ("none", "alibi"),
 }
 
@@ -117,7 +117,7 @@ def sdpa_attention(q, k, v, key_padding_mask=None, dropout_p: float = 0.0, alibi
     """PyTorch's fused scaled_dot_product_attention (flash / memory-efficient kernels where they apply).
     With ALiBi it takes the bias as a dense float mask of shape (1, heads, seq, seq): PyTorch's CPU flash
     kernel takes a 4-D mask, while a 3-D one sends it to the unfused math path. bert-tiny's whole training
-    step is 1.15x faster for it in fp32 and 1.46x in bf16 (one thread; results/step-cpu.md)."""
+    step is 1.15x faster for it in fp32 and 1.46x in bf16 (one thread; results/step-speed/cpu-tiny.md)."""
     mask = None if key_padding_mask is None else key_padding_mask[:, None, None, :]  # (batch, 1, 1, seq)
     if alibi_slopes is not None:  # one float mask: the bias, and the most negative number on padded keys
         bias = alibi_bias(alibi_slopes, q.shape[-2]).to(q.dtype)[None]  # (1, heads, seq, seq)

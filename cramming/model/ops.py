@@ -90,7 +90,7 @@ class ChunkedCrossEntropy(torch.autograd.Function):
     of ROWS rows is read once into cache as fp32: log-sum-exp, loss, softmax minus one-hot, written once as the
     gradient in the logits' dtype (what autocast's cast back gives the plain form). bert-tiny's whole training
     step on one thread, where head and loss are half the work: 1.37x faster in bf16, 1.13x in fp32
-    (results/step-cpu.md); bert-mini's: no change. The same numbers up to float rounding: a row's
+    (results/step-speed/cpu-tiny.md); bert-mini's: no change. The same numbers up to float rounding: a row's
     log-sum-exp is the same reduction, only the order of the final mean differs."""
 
     ROWS = 32  # 32 x 8192 fp32 logits: 1 MiB, inside a core's L2

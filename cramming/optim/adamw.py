@@ -51,7 +51,7 @@ log = logging.getLogger(__name__)
 
 KERNELS = ("auto", "torch", "triton")
 MIN_8BIT_SIZE = 4096  # smaller tensors keep 32-bit moments (their state is negligible, their steps noisy)
-DEFAULT_SECOND_MOMENT_MAP = "sqrt"  # measured best on wide-ranged blocks: results/optim_quality.md
+DEFAULT_SECOND_MOMENT_MAP = "sqrt"  # measured best on wide-ranged blocks: results/optimizers/quality.md
 DEFAULT_FIRST_MOMENT_FORMAT = "block"
 
 

@@ -54,18 +54,18 @@ class OptimConfig:
     # keep the embeddings' moments in 32 bits (bitsandbytes' advice for stability; costs 6 B/param there)
     embedding_32bit: bool = False
     # how 8-bit second moments are stored: sqrt (sqrt(v) on a dynamic map whose smallest code is positive;
-    # closest to fp32 AdamW in results/optim_quality.md), nonzero (v on that map), or dynamic
+    # closest to fp32 AdamW in results/optimizers/quality.md), nonzero (v on that map), or dynamic
     # (bitsandbytes' map: a v below 1.6e-7 of its block's absmax becomes 0, and that element's next step is
     # up to 31x Adam's; see cramming/optim/quant.py). 4-bit state has its own zero-free format; the
     # bitsandbytes backend always uses its own map (dynamic)
     second_moment_map: str = "sqrt"
     # how 4-bit first moments are re-quantized after each step: nearest (round to the nearest of 16 codes)
     # or stochastic (unbiased: with nearest a moment can stick at a code, as 0.9·c rounds back to c;
-    # results/glue-optimizers.md measures both). 8-bit state always rounds to nearest
+    # results/optimizers/ measures both). 8-bit state always rounds to nearest
     first_moment_rounding: str = "nearest"
     # what a 4-bit first moment is divided by before it is coded: block (nothing; Li et al.), normalized
     # (sqrt of the element's own stored second moment, so one small-gradient element no longer shares a
-    # scale with elements 1,000x larger; cramming/optim/quant.py, results/optim_quality.md), or auto
+    # scale with elements 1,000x larger; cramming/optim/quant.py, results/optimizers/quality.md), or auto
     # (normalized for unprojected tensors, block for GaLore's low-rank moments)
     first_moment_format: str = "block"
     # cramming (ours, every name) or bitsandbytes (bnb.optim.AdamW8bit, for adamw_8bit; needs bitsandbytes)

@@ -23,7 +23,7 @@ The projector comes from the whole gradient, gathered on refresh steps only; the
            each rank keeps only its rows of P, which is all that P N needs for its rows
     full   as left, (r×r)
 `std` projects on the right when m >= n; proj_type=right projects every weight there, which under FSDP2
-shards all of GaLore's state (results/optim_memory.md). `rows` below is a rank's row count: the shapes
+shards all of GaLore's state (results/optimizers/memory.md). `rows` below is a rank's row count: the shapes
 of what one rank holds.
 
 Adam is not rotation-invariant: even at full rank (r = min(m, n), where projecting and projecting back is

@@ -255,7 +255,7 @@ class Maps4bit:
     """The 4-bit maps. Second moment: the unsigned dynamic map without zero (Li et al.'s "DE-0"), not
     their linear map (k + 1)/16: on wide-ranged blocks the linear map rounds every v below 1/32 of its
     scale up to 1/16, and those elements barely move (0.43x fp32 AdamW's displacement against 0.69x in
-    tests/test_optim_drift.py's trajectory; results/optim_quality.md)."""
+    tests/test_optim_drift.py's trajectory; results/optimizers/quality.md)."""
 
     m: QuantMap  # signed dynamic, 16 codes
     v: QuantMap  # unsigned dynamic without zero, 16 codes, 5.5e-4 .. 1
@@ -354,9 +354,9 @@ def adamw4bit_update_torch(
     stochastic_step: None rounds the first moment to the nearest code; a step number rounds it stochastically
     (hashed_uniform of that step). With 16 codes, round-to-nearest sticks: 0.9·c rounds back to c, so a
     moment whose gradients average out keeps its value and its weight keeps moving one way
-    (results/optim_quality.md); stochastic rounding is unbiased and lets it decay on average. It does not stop
+    (results/optimizers/quality.md); stochastic rounding is unbiased and lets it decay on average. It does not stop
     single weights from moving several times fp32's largest move: both 4-bit moments cause that (the ablation
-    in results/optim_quality.md), and on GLUE it scored no better (results/glue-optimizers.md).
+    in results/optimizers/quality.md), and on GLUE it scored no better (results/optimizers/).
 
     normalized: the first moment is stored as m / sqrt(v), v as stored after this step (the `normalized`
     format of FIRST_MOMENT_FORMATS), and read back as codes times sqrt of the stored v of the step before.

@@ -13,7 +13,7 @@ block absmax for bitsandbytes' map) as exactly 0, while the first moment of the 
 the next step divides by sqrt((1 - beta2)·g²) only, up to 1/sqrt(1 - beta2) = 31x Adam's step at beta2
 0.999. Wide-ranged blocks (gradients spanning decades, a few large columns) hit it every step. The cure is
 a second-moment map without 0 (SECOND_MOMENT_MAPS); see tests/test_optim_drift.py and
-results/optim_quality.md for what it changes.
+results/optimizers/quality.md for what it changes.
 
 4 bits (after Li et al.; the maps are built in cramming.optim.lowbit.Maps4bit): first moment on a signed
 dynamic map of 16 codes in blocks of 128; second moment on the unsigned dynamic map without zero (16 codes,
@@ -156,7 +156,7 @@ ROUNDINGS = ("nearest", "stochastic")
 # what a 4-bit first moment is divided by before its blocks of 128 are scaled and coded:
 #   block       nothing: m itself in blocks (Li et al.). A block shares one absmax with elements whose
 #               gradients are 1,000x larger, so a small m becomes 0 or the smallest code (5.5e-3 of the
-#               absmax), and its step m/sqrt(v) comes out several times fp32's (results/optim_quality.md)
+#               absmax), and its step m/sqrt(v) comes out several times fp32's (results/optimizers/quality.md)
 #   normalized  sqrt(v) of the same element as stored (the decoded 4-bit second moment): the block holds
 #               m/sqrt(v), the element's own step before bias correction, whose size does not follow the
 #               gradient's scale (|m|/sqrt(v) <= (1-b1)/sqrt((1-b2)(1-b1^2/b2)), 7.3 at betas 0.9, 0.999),
@@ -164,7 +164,7 @@ ROUNDINGS = ("nearest", "stochastic")
 FIRST_MOMENT_FORMATS = ("block", "normalized")
 # the setting's choices: a format, or `auto`: normalized for full (unprojected) moments, block for GaLore's
 # low-rank ones, whose projected gradients mix the scales already (there block is closer to fp32 GaLore:
-# results/optim_quality.md)
+# results/optimizers/quality.md)
 FIRST_MOMENT_CHOICES = ("auto", *FIRST_MOMENT_FORMATS)
 # what a 4-bit state saved before the format was selectable (no `m_format` entry) holds
 LEGACY_FIRST_MOMENT_FORMAT = "block"

@@ -31,7 +31,7 @@ def learned(validation: dict | None, vocab_size: int) -> list[str]:
     else:
         verdict = (
             f"it does not use context yet (gain {gain:.2f}). Small models first learn how frequent each word is"
-            " and can sit on that plateau for long; results/cpu-study.md shows what moved ours off it"
+            " and can sit on that plateau for long; results/cpu-study/ shows what moved ours off it"
         )
     lines.append(
         f"         masked loss {real:.2f} on the rows as written, {shuffled:.2f} with each row's words shuffled"
