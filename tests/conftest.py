@@ -1,4 +1,10 @@
-"""Shared fixtures: every test is seeded; paths to the shared real data."""
+"""Shared fixtures: every test is seeded; the real data, found through CRAMMING_DATA.
+
+Tests that want real data (GLUE in its TSV layout, the Wikipedia shards, BLiMP, reference checkpoints) ask
+`data_dir(...)` for it: the folder the environment variable CRAMMING_DATA names holds `glue/`,
+`wikipedia-en-2015/`, `blimp/` and `checkpoints/`. Without it those tests skip, saying so; everything else
+runs on a fresh clone with nothing beside it.
+"""
 
 from __future__ import annotations
 
@@ -15,9 +21,22 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 REPO = Path(__file__).resolve().parent.parent
-SHARED_DATA = REPO.parent / "shared" / "data"
-WIKI_DIR = SHARED_DATA / "wikipedia-en-2015"
-GLUE_DIR = SHARED_DATA / "glue"
+DATA_ENV = "CRAMMING_DATA"
+WIKI_SHARD = ("wikipedia-en-2015", "train-00000-of-00012.jsonl.gz")
+
+
+def data_dir(*parts: str) -> Path:
+    """A path under the real-data folder that CRAMMING_DATA names; skips the calling test (or fixture) when
+    the variable is unset or the path is not there."""
+    root = os.environ.get(DATA_ENV)
+    if not root:
+        pytest.skip(
+            f"{DATA_ENV} is not set: set it to a folder holding glue/, wikipedia-en-2015/, ... to run this"
+        )
+    path = Path(root).expanduser().resolve().joinpath(*parts)
+    if not path.exists():
+        pytest.skip(f"{Path(*parts)} is not in {DATA_ENV}={root}")
+    return path
 
 
 # The suite's models are tiny: synchronizing two intra-op threads costs more than it saves, and on a
@@ -32,26 +51,19 @@ def _seed():
 
 @pytest.fixture
 def wiki_shard() -> Path:
-    shard = WIKI_DIR / "train-00000-of-00012.jsonl.gz"
-    if not shard.exists():
-        pytest.skip(f"shared Wikipedia data not found at {WIKI_DIR}")
-    return shard
+    return data_dir(*WIKI_SHARD)
 
 
 @pytest.fixture
 def glue_dir() -> Path:
-    if not GLUE_DIR.exists():
-        pytest.skip(f"shared GLUE data not found at {GLUE_DIR}")
-    return GLUE_DIR
+    return data_dir("glue")
 
 
 def _wiki_texts(n: int) -> list[str]:
     import gzip
     import json
 
-    shard = WIKI_DIR / "train-00000-of-00012.jsonl.gz"
-    if not shard.exists():
-        pytest.skip(f"shared Wikipedia data not found at {WIKI_DIR}")
+    shard = data_dir(*WIKI_SHARD)
     texts = []
     with gzip.open(shard, "rt", encoding="utf-8") as f:
         for line in f:
@@ -63,7 +75,7 @@ def _wiki_texts(n: int) -> list[str]:
 
 @pytest.fixture(scope="session")
 def wiki_texts() -> list[str]:
-    """The first 120 real Wikipedia articles of the shared data, as plain strings."""
+    """The first 120 real Wikipedia articles of the first shard, as plain strings."""
     return _wiki_texts(120)
 
 

@@ -25,9 +25,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import WIKI_SHARD, data_dir
 
 REPO = Path(__file__).resolve().parent.parent
-GLUE = REPO.parent / "shared" / "data" / "glue"
 PRETRAIN = str(REPO / "pretrain.py")
 EVAL = str(REPO / "eval.py")
 EXPORT = str(REPO / "scripts" / "export_hf.py")
@@ -203,7 +203,7 @@ CASES = [
 ]
 
 
-def write_bad_inputs(bad: Path, run: Path) -> None:
+def write_bad_inputs(bad: Path, run: Path, real_glue: Path) -> None:
     """The damaged files and folders the cases name, under `bad`; `run` is the shared run's folder."""
     from cramming.hf.export import to_transformers  # transformers: imported by the tests that need it only
 
@@ -229,7 +229,7 @@ def write_bad_inputs(bad: Path, run: Path) -> None:
     weights.write_bytes(weights.read_bytes()[:1000])
     glue = bad / "glue-header-only" / "RTE"
     glue.mkdir(parents=True)
-    shutil.copy(GLUE / "RTE" / "dev.tsv", glue / "dev.tsv")
+    shutil.copy(real_glue / "RTE" / "dev.tsv", glue / "dev.tsv")
     (glue / "train.tsv").write_text("index\tsentence1\tsentence2\tlabel\n")
     exported = to_transformers(run, bad / "hf-bad-config")
     (exported / "config.json").write_text('{"model_type": "crammed_bert", "hidden_size": ')  # cut short
@@ -253,16 +253,15 @@ def environment() -> dict:
 @pytest.fixture(scope="module")
 def places(tmp_path_factory) -> dict[str, str]:
     """The shared tiny run (name=baseline), its damaged copies and the bad files: {base}, {run}, {bad}, {glue}."""
-    if not (GLUE / "RTE" / "train.tsv").exists():
-        pytest.skip(f"shared GLUE data not found at {GLUE}")
+    glue = data_dir("glue", "RTE", "train.tsv").parent.parent
     base, bad = tmp_path_factory.mktemp("base"), tmp_path_factory.mktemp("bad")
     command = [sys.executable, PRETRAIN, *(a.format(base=base) for a in TINY), "name=baseline"]
     done = subprocess.run(command, cwd=REPO, env=environment(), capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     run = next((base / "baseline").iterdir())
-    write_bad_inputs(bad, run)
+    write_bad_inputs(bad, run, glue)
     break_state(base, run)
-    return {"base": str(base), "run": str(run), "bad": str(bad), "glue": str(GLUE)}
+    return {"base": str(base), "run": str(run), "bad": str(bad), "glue": str(glue)}
 
 
 @pytest.fixture(scope="module")
@@ -307,9 +306,7 @@ def start_pretraining(places: dict, base: Path, *args: str) -> subprocess.Popen:
 
 
 def test_sigterm_while_preprocessing_leaves_an_interrupted_card_and_no_half_built_data(places, tmp_path):
-    shard = REPO.parent / "shared" / "data" / "wikipedia-en-2015" / "train-00000-of-00012.jsonl.gz"
-    if not shard.exists():
-        pytest.skip(f"shared Wikipedia data not found at {shard}")
+    shard = data_dir(*WIKI_SHARD)
     # a real shard preprocesses for many seconds: long enough to be stopped in the middle
     process = start_pretraining(places, tmp_path, "data=local", f"data.sources.local.files={shard}")
     deadline = time.monotonic() + 120

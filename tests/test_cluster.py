@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import data_dir
 
 from cramming.job.cluster import SUBMITIT_ENV, hand_back_to_launcher, job_minutes
 from cramming.job.report import build_report
@@ -151,14 +152,10 @@ def test_an_interrupted_job_is_requeued_and_ends_bit_identical(local_sweep):
 
 # -------------------------------------------------------------------------- evaluations and Optuna searches
 
-GLUE_DIR = REPO.parent / "shared" / "data" / "glue"
-
 
 def small_glue(base_dir: Path, checkpoint: Path) -> list[str]:
-    if not GLUE_DIR.exists():
-        pytest.skip(f"shared GLUE data not found at {GLUE_DIR}")
     return [
-        f"checkpoint={checkpoint}", f"base_dir={base_dir}", f"eval.glue_dir={GLUE_DIR}", "eval.tasks=[RTE]",
+        f"checkpoint={checkpoint}", f"base_dir={base_dir}", f"eval.glue_dir={data_dir('glue')}", "eval.tasks=[RTE]",
         "eval.max_train_examples=32", "eval.max_eval_examples=32", "eval.epochs=1", "impl.device=cpu",
         "impl.cpu_threads=1",
     ]  # fmt: skip

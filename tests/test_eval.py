@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import data_dir
 
 from cramming.data.config import NormalizerConfig, TokenizerConfig
 from cramming.data.tokenizer import SpecialTokens, build_normalizer, train_tokenizer
@@ -28,7 +29,6 @@ from cramming.model.checkpoint import resolve_checkpoint, save_pretrained
 from cramming.optim.schedules import LR_SCHEDULES, step_progress
 from cramming.utils import flatten
 
-GLUE_DIR = Path(__file__).resolve().parents[2] / "shared" / "data" / "glue"
 TINY = ArchConfig(name="tiny", num_layers=2, hidden_size=64, num_heads=2, intermediate_size=128, dropout=0.0)
 
 
@@ -52,9 +52,7 @@ def _save_tiny_checkpoint(run_dir, texts):
 
 @pytest.fixture(scope="module")
 def sst2(tmp_path_factory):
-    if not GLUE_DIR.exists():
-        pytest.skip("shared GLUE data not found")
-    splits = load_local(GLUE_TASKS["SST-2"], GLUE_DIR)
+    splits = load_local(GLUE_TASKS["SST-2"], data_dir("glue"))
     subset = splits["train"].shuffle(seed=0).select(range(160))
     root = tmp_path_factory.mktemp("runs")
     checkpoint = _save_tiny_checkpoint(
@@ -91,7 +89,7 @@ def test_every_optimizer_family_fits_the_training_subset(sst2, optim):
 
 
 def partial_glue(tmp_path: Path, glue_dir: Path, tasks=("RTE", "STS-B")) -> Path:
-    """A GLUE folder with only `tasks` (links to the shared copy)."""
+    """A GLUE folder with only `tasks` (links to the real copy)."""
     partial = tmp_path / "glue"
     partial.mkdir()
     for task in tasks:

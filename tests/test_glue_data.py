@@ -10,7 +10,7 @@ from cramming.eval import glue_metric
 from cramming.eval.glue_data import TaskDataMissing, load_local, read_tsv
 from cramming.eval.tasks import GLUE_SANE, GLUE_TASKS
 
-# Row counts (train, dev) of ../shared/data/glue as its README states them.
+# Row counts (train, dev) of the real GLUE copy (CRAMMING_DATA/glue), as its README states them.
 SHARED_ROWS = {
     "CoLA": (8551, 1043),
     "SST-2": (67349, 872),

@@ -9,13 +9,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import data_dir
 
 from cramming.eval.config import HeadConfig
 from cramming.eval.head import SequenceClassifier, segment_pair
 from cramming.eval.pair_probe import pair_probe
 from cramming.eval.run import checkpoint_backbone
 from cramming.impl import ImplConfig
-from tests.test_eval import GLUE_DIR, _save_tiny_checkpoint
+from tests.test_eval import _save_tiny_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -58,12 +59,10 @@ def test_the_pair_head_reads_four_vectors_and_its_score_is_symmetric_in_swapped_
 
 @pytest.fixture(scope="module")
 def tiny_backbone(tmp_path_factory):
-    if not GLUE_DIR.exists():
-        pytest.skip("shared GLUE data not found")
     from cramming.eval.glue_data import load_local
     from cramming.eval.tasks import GLUE_TASKS
 
-    texts = load_local(GLUE_TASKS["STS-B"], GLUE_DIR)["train"]["text_a"][:3000]
+    texts = load_local(GLUE_TASKS["STS-B"], data_dir("glue"))["train"]["text_a"][:3000]
     checkpoint = _save_tiny_checkpoint(tmp_path_factory.mktemp("probe") / "tiny" / "run", texts)
     return checkpoint, checkpoint_backbone(checkpoint, ImplConfig(device="cpu"))
 
@@ -90,11 +89,11 @@ def test_the_probe_scores_identical_pairs_above_unrelated_ones(tiny_backbone):
         pair_probe(backbone, first[:1], second[:1], scores[:1])
 
 
-def test_the_probe_script_prints_one_line_per_checkpoint_and_refuses_bad_input(tiny_backbone):
+def test_the_probe_script_prints_one_line_per_checkpoint_and_refuses_bad_input(tiny_backbone, glue_dir):
     checkpoint, _ = tiny_backbone
     command = [sys.executable, str(ROOT / "scripts" / "pair_probe.py")]
     ok = subprocess.run(
-        [*command, str(checkpoint), "--glue-dir", str(GLUE_DIR), "--pairs", "64", "--json"],
+        [*command, str(checkpoint), "--glue-dir", str(glue_dir), "--pairs", "64", "--json"],
         capture_output=True,
         text=True,
         cwd=ROOT,
@@ -103,7 +102,7 @@ def test_the_probe_script_prints_one_line_per_checkpoint_and_refuses_bad_input(t
     assert ok.returncode == 0, ok.stderr
     assert "pair probe on 64 STS-B dev pairs" in ok.stdout and '"alone"' in ok.stdout
     bad = subprocess.run(
-        [*command, str(checkpoint), "--glue-dir", str(GLUE_DIR), "--pairs", "1"],
+        [*command, str(checkpoint), "--glue-dir", str(glue_dir), "--pairs", "1"],
         capture_output=True,
         text=True,
         cwd=ROOT,

@@ -190,7 +190,7 @@ def _hand_started_runs(root: Path, count: int) -> None:
         _pretrain_run(folder, i, "adamw" if i % 2 else "adamw_8bit", 0.05 * (1 + i % 3))
         card = json.loads((folder / RUN_CARD).read_text())
         card["job"] = {"multirun": False, "overrides": [
-            f"name=run{i}", "data=local", "data.sources.local.files=../shared/data/wikipedia-en-2015/*.gz",
+            f"name=run{i}", "data=local", "data.sources.local.files=data/wikipedia/*.gz",
             f"train.optim.lr={1e-3 * (i + 1):g}", f"train.batch_size={16 * (1 + i % 4)}", "arch=bert-tiny",
             f"arch.attention_bias={'alibi' if i % 3 else 'none'}", "impl.cpu_threads=1", f"seed={i}"]}  # fmt: skip
         card["config"]["name"] = f"run{i}"

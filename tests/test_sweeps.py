@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import data_dir
 
 from cramming.job.report import build_report
 from cramming.job.runcard import RUN_CARD
@@ -77,10 +78,7 @@ def pretrain_sweep(base_dir, glue_dir_module) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def glue_dir_module() -> Path:
-    glue = REPO.parent / "shared" / "data" / "glue"
-    if not glue.exists():
-        pytest.skip(f"shared GLUE data not found at {glue}")
-    return glue
+    return data_dir("glue")
 
 
 @pytest.fixture(scope="module")
