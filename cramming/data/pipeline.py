@@ -19,11 +19,10 @@ import logging
 import os
 import shutil
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import datasets
 import numpy as np
@@ -32,13 +31,12 @@ import pyarrow.compute as pc
 from omegaconf import OmegaConf
 from tokenizers import Tokenizer
 
-from cramming.data.sources import load_raw_corpus, source_fingerprint
+from cramming.data.config import DataConfig
+from cramming.data.ordering import ORDERINGS
+from cramming.data.sources import load_source, source_fingerprint
 from cramming.data.tokenizer import SpecialTokens, build_normalizer, train_tokenizer
 from cramming.errors import DataSourceError
 from cramming.utils import process_alive
-
-if TYPE_CHECKING:  # config.py takes its choice list from ORDERINGS
-    from cramming.data.config import DataConfig
 
 log = logging.getLogger("cramming")
 
@@ -391,43 +389,6 @@ def _pack(
     return datasets.Dataset.from_file(str(out_file))
 
 
-def _curriculum_order(rows: datasets.Dataset, vocab_size: int) -> np.ndarray:
-    """Easy to hard: rows sorted by the mean surprisal of their tokens under the corpus unigram counts."""
-    counts = np.zeros(vocab_size, dtype=np.int64)
-    for batch in rows.with_format("numpy").iter(batch_size=10 * BATCH):
-        counts += np.bincount(batch["input_ids"].ravel(), minlength=vocab_size)
-    surprisal = -np.log((counts + 1) / (counts.sum() + vocab_size))
-    scores = np.concatenate(
-        [
-            surprisal[batch["input_ids"]].mean(axis=1)
-            for batch in rows.with_format("numpy").iter(batch_size=10 * BATCH)
-        ]
-    )
-    return np.argsort(scores, kind="stable")
-
-
-def _keep_order(rows: datasets.Dataset, seed: int, vocab_size: int) -> datasets.Dataset:
-    return rows
-
-
-def _shuffle(rows: datasets.Dataset, seed: int, vocab_size: int) -> datasets.Dataset:
-    return rows.shuffle(seed=seed)
-
-
-def _curriculum(rows: datasets.Dataset, seed: int, vocab_size: int) -> datasets.Dataset:
-    return rows.select(_curriculum_order(rows, vocab_size))
-
-
-# data.ordering -> (rows, seed, vocab size) -> the rows reordered
-# data.row_start: what each packed row begins with (the [CLS] id is SpecialTokens.cls)
-ROW_STARTS = ("none", "cls")
-ORDERINGS: dict[str, Callable[[datasets.Dataset, int, int], datasets.Dataset]] = {
-    "none": _keep_order,
-    "random": _shuffle,
-    "curriculum": _curriculum,
-}
-
-
 def _order(rows: datasets.Dataset, cfg: DataConfig, vocab_size: int) -> datasets.Dataset:
     rows = ORDERINGS[cfg.ordering](rows, cfg.seed, vocab_size)
     if cfg.max_rows is not None and len(rows) > cfg.max_rows:
@@ -496,6 +457,17 @@ def _build(cfg: DataConfig, path: Path, hf_cache: Path, num_proc: int) -> None:
         stats["seconds"]["total"],
         stats["megabytes_per_second"],
     )
+
+
+def load_raw_corpus(cfg: DataConfig, hf_cache: Path) -> datasets.Dataset:
+    """All sources of the data config, concatenated in the order they are listed; column `source` names
+    each entry's source."""
+    parts = []
+    for name, source in cfg.sources.items():
+        ds = load_source(source, hf_cache)
+        log.info("source %s (%s): %d entries", name, source.kind, len(ds))
+        parts.append(ds.add_column("source", [name] * len(ds)))
+    return datasets.concatenate_datasets(parts)
 
 
 def _read_and_clean(

@@ -2,7 +2,8 @@
 
 Every source ends up as a Dataset with a single string column `text`. Each source also has a fingerprint:
 what its content depends on besides the config (file sizes and times, the Python version), so that changed
-files make a new cache even when the config is the same.
+files make a new cache even when the config is the same. SourceConfig, the schema of one
+`data.sources.<name>` entry, lives here beside SOURCE_KINDS and TXT_UNITS, the names it accepts.
 """
 
 from __future__ import annotations
@@ -16,15 +17,11 @@ import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import datasets
 
 from cramming.data import embedded
-from cramming.errors import DataSourceError, check_choice
-
-if TYPE_CHECKING:  # config.py takes its choice lists from SOURCE_KINDS and TXT_UNITS
-    from cramming.data.config import DataConfig, SourceConfig
+from cramming.errors import DataSourceError, check_choice, config_error
 
 log = logging.getLogger("cramming")
 
@@ -46,6 +43,51 @@ OFFLINE_HINT = (
     "Without network, train on the embedded corpus (`python pretrain.py data=embedded`) or on local files "
     "(`python pretrain.py data=local data.sources.local.files='/path/to/*.jsonl.gz'`)."
 )
+
+
+@dataclass
+class SourceConfig:
+    """One raw-text source. Several sources are concatenated in the order of their names."""
+
+    kind: str = "local"  # a key of SOURCE_KINDS (below): hub, local or embedded
+    # hub: dataset path on the Hugging Face hub, e.g. "wikimedia/wikipedia"
+    path: str | None = None
+    # hub: subset / configuration name, e.g. "20231101.en"
+    subset: str | None = None
+    split: str = "train"
+    # hub: stream instead of downloading the whole corpus (needs max_entries to stay bounded)
+    streaming: bool = False
+    # hub: a commit, tag or branch to pin the data version (results depend on it)
+    revision: str | None = None
+    # local: a folder or a glob of .txt, .jsonl, .jsonl.gz, .json or .parquet files
+    files: str | None = None
+    # name of the column / JSON field that holds the text
+    text_field: str = "text"
+    # .txt files: one entry per line, per blank-line separated paragraph, or per file
+    txt_unit: str = "paragraph"
+    # cap on raw entries taken from this source (None: all)
+    max_entries: int | None = None
+    # join every n consecutive entries into one document (sentence-per-row corpora such as BookCorpus)
+    join_entries: int = 1
+
+    def check(self, key: str) -> None:
+        """Validate; `key` is where this source sits in the config, e.g. data.sources.local."""
+        check_choice(f"{key}.kind", self.kind, SOURCE_KINDS)
+        check_choice(f"{key}.txt_unit", self.txt_unit, TXT_UNITS)
+        if self.kind == "hub" and not self.path:
+            raise config_error(
+                f"{key}.path", self.path, "a hub source needs `path`, e.g. wikimedia/wikipedia"
+            )
+        if self.kind == "local" and not self.files:
+            raise config_error(
+                f"{key}.files",
+                self.files,
+                f"a local source needs a folder or glob of files, e.g. {key}.files='/data/*.jsonl.gz'",
+            )
+        if self.max_entries is not None and self.max_entries < 1:
+            raise config_error(f"{key}.max_entries", self.max_entries, "use a positive count or null")
+        if self.join_entries < 1:
+            raise config_error(f"{key}.join_entries", self.join_entries, "use 1 (no joining) or more")
 
 
 def _format_of(path: str) -> str | None:
@@ -297,14 +339,3 @@ def load_source(cfg: SourceConfig, hf_cache: Path) -> datasets.Dataset:
     if cfg.join_entries > 1:
         ds = _join_entries(ds, cfg.join_entries)
     return ds
-
-
-def load_raw_corpus(cfg: DataConfig, hf_cache: Path) -> datasets.Dataset:
-    """All sources of the data config, concatenated in the order they are listed; column `source` names
-    each entry's source."""
-    parts = []
-    for name, source in cfg.sources.items():
-        ds = load_source(source, hf_cache)
-        log.info("source %s (%s): %d entries", name, source.kind, len(ds))
-        parts.append(ds.add_column("source", [name] * len(ds)))
-    return datasets.concatenate_datasets(parts)

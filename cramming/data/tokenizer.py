@@ -1,15 +1,17 @@
-"""Train a BERT-style tokenizer from scratch with the `tokenizers` library (WordPiece, BPE or Unigram)."""
+"""Train a BERT-style tokenizer from scratch with the `tokenizers` library (WordPiece, BPE or Unigram).
+
+NormalizerConfig and TokenizerConfig, the `data.normalizer` and `data.tokenizer` schemas, live here beside
+the code they configure; TokenizerConfig accepts the kinds TOKENIZER_KINDS registers.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
-if TYPE_CHECKING:  # config.py takes its choice list from TOKENIZER_KINDS
-    from cramming.data.config import NormalizerConfig, TokenizerConfig
+from cramming.errors import check_choice, config_error
 
 # Trainers place special tokens first, in this order, so their ids are fixed for every tokenizer kind.
 SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
@@ -34,6 +36,58 @@ MAX_WORD_CHARS = 100
 
 # Every run of characters outside 7-bit ASCII, deleted by `ascii_only` (cramming's `force_english_keyboard`).
 NON_ASCII = r"[^\x00-\x7F]+"
+
+
+@dataclass
+class NormalizerConfig:
+    """Unicode and case normalization, applied to the corpus and saved into the tokenizer."""
+
+    nfkc: bool = True
+    lowercase: bool = True
+    strip_accents: bool = True
+    # delete every character outside 7-bit ASCII, after the steps above (cramming's `force_english_keyboard`).
+    # Without it the WordPiece trainer keeps every character of the corpus in the vocabulary: one Wikipedia
+    # shard gives ~1,600 single-character entries at 32768 (results/tokenizer/). Off keeps other scripts.
+    ascii_only: bool = True
+
+
+@dataclass
+class TokenizerConfig:
+    """A tokenizer trained from scratch on the corpus with the `tokenizers` library."""
+
+    kind: str = "wordpiece"  # a key of TOKENIZER_KINDS (below): wordpiece, bpe (byte-level) or unigram
+    vocab_size: int = 32768
+    # pairs seen fewer times than this are not merged into a vocabulary entry (wordpiece, bpe; the unigram
+    # trainer has no such setting)
+    min_frequency: int = 2
+    # keep at most this many distinct characters, the most frequent (BERT: ~1000; null: all). wordpiece and
+    # bpe; byte-level BPE has 256 symbols whatever the text, so it needs at least 256; the unigram trainer has
+    # no such setting (ascii_only bounds its alphabet).
+    limit_alphabet: int | None = 1000
+    # train on at most this many texts, drawn at random from all sources in proportion to their document
+    # counts (None: all of them)
+    max_train_entries: int | None = None
+
+    def __post_init__(self) -> None:
+        check_choice("data.tokenizer.kind", self.kind, TOKENIZER_KINDS)
+        if self.min_frequency < 1:
+            raise config_error("data.tokenizer.min_frequency", self.min_frequency, "use 1 (keep all) or more")
+        if self.limit_alphabet is not None:
+            least = 256 if self.kind == "bpe" else 1
+            if self.limit_alphabet < least:
+                raise config_error(
+                    "data.tokenizer.limit_alphabet",
+                    self.limit_alphabet,
+                    f"use at least {least} for {self.kind}, or null for no limit",
+                )
+        if self.max_train_entries is not None and self.max_train_entries < 1:
+            raise config_error(
+                "data.tokenizer.max_train_entries", self.max_train_entries, "use a positive count or null"
+            )
+        if self.vocab_size < 64:
+            raise config_error(
+                "data.tokenizer.vocab_size", self.vocab_size, "use at least 64 (cramming uses 32768)"
+            )
 
 
 def build_normalizer(cfg: NormalizerConfig) -> normalizers.Normalizer:
