@@ -8,7 +8,7 @@ from pathlib import Path
 from omegaconf import MISSING
 
 from cramming.errors import check_choice, config_error
-from cramming.eval.head import NONLINEARITIES, POOLERS
+from cramming.eval.head import HeadConfig  # defined beside the poolers it names; importable from here
 from cramming.eval.tasks import GLUE_SANE, GLUE_TASKS
 from cramming.impl import ImplConfig
 from cramming.optim import OPTIMIZERS
@@ -43,29 +43,6 @@ class TaskOverride:
     epochs: int | None = None
     lr: float | None = None
     batch_size: int | None = None
-
-
-@dataclass
-class HeadConfig:
-    """`eval.head`: the classifier on the encoder. Default: cramming's GLUE head."""
-
-    # how the hidden states become one vector: zero_index (the [CLS] token) | mean (of the real tokens) |
-    # pair (each segment mean-pooled, then [u, v, |u - v|, u * v]: the two halves of a pair compared)
-    pooler: str = "zero_index"
-    # width of the dense layer between pooling and classifier (cramming: 1024); 0: the bare linear head
-    dim: int = 1024
-    # after the dense layer: tanh (cramming, BERT's pooler) | gelu | relu | identity
-    nonlin: str = "tanh"
-    # normal(init_std) weights and zero biases, as the rest of the model
-    init_std: float = 0.02
-
-    def check(self) -> None:
-        check_choice("eval.head.pooler", self.pooler, POOLERS)
-        check_choice("eval.head.nonlin", self.nonlin, NONLINEARITIES)
-        if self.dim < 0:
-            raise config_error("eval.head.dim", self.dim, "use a width, or 0 for the bare linear head")
-        if self.init_std <= 0:
-            raise config_error("eval.head.init_std", self.init_std, "use a positive standard deviation")
 
 
 @dataclass

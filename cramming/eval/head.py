@@ -1,14 +1,16 @@
-"""The GLUE classifier on a pretrained encoder: pooling, an optional dense layer, the class logits."""
+"""The GLUE classifier on a pretrained encoder: pooling, an optional dense layer, the class logits.
+
+HeadConfig, the `eval.head` schema, lives here beside POOLERS and NONLINEARITIES, the names it accepts.
+"""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-if TYPE_CHECKING:
-    from cramming.eval.config import HeadConfig
+from cramming.errors import check_choice, config_error
 
 
 def first_token(hidden: torch.Tensor, attention_mask: torch.Tensor, token_type_ids=None) -> torch.Tensor:
@@ -48,6 +50,29 @@ POOLERS = {"zero_index": first_token, "mean": mean_of_tokens, "pair": segment_pa
 # how many hidden-size vectors each pooler puts side by side
 POOLED_WIDTH = {"zero_index": 1, "mean": 1, "pair": 4}
 NONLINEARITIES = {"tanh": nn.Tanh, "gelu": nn.GELU, "relu": nn.ReLU, "identity": nn.Identity}
+
+
+@dataclass
+class HeadConfig:
+    """`eval.head`: the classifier on the encoder. Default: cramming's GLUE head."""
+
+    # how the hidden states become one vector: zero_index (the [CLS] token) | mean (of the real tokens) |
+    # pair (each segment mean-pooled, then [u, v, |u - v|, u * v]: the two halves of a pair compared)
+    pooler: str = "zero_index"
+    # width of the dense layer between pooling and classifier (cramming: 1024); 0: the bare linear head
+    dim: int = 1024
+    # after the dense layer: tanh (cramming, BERT's pooler) | gelu | relu | identity
+    nonlin: str = "tanh"
+    # normal(init_std) weights and zero biases, as the rest of the model
+    init_std: float = 0.02
+
+    def check(self) -> None:
+        check_choice("eval.head.pooler", self.pooler, POOLERS)
+        check_choice("eval.head.nonlin", self.nonlin, NONLINEARITIES)
+        if self.dim < 0:
+            raise config_error("eval.head.dim", self.dim, "use a width, or 0 for the bare linear head")
+        if self.init_std <= 0:
+            raise config_error("eval.head.init_std", self.init_std, "use a positive standard deviation")
 
 
 class SequenceClassifier(nn.Module):
