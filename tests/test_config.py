@@ -106,7 +106,10 @@ def test_every_eval_recipe_validates(recipe):
 
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = validate(compose("eval", overrides=["checkpoint=x", f"eval={recipe}"]), EvalRunConfig)
-    assert cfg.eval.name == recipe
+    if recipe == "blimp":  # the zero-shot benchmark: its own settings, and its own run name
+        assert cfg.benchmark == "blimp" and cfg.name == "blimp" and cfg.blimp.variant == "within_word_l2r"
+        return
+    assert cfg.benchmark == "glue" and cfg.name == "glue" and cfg.eval.name == recipe
     if recipe == "glue-small":
         assert (
             cfg.eval.group_by_length and cfg.eval.optim.lr == 1e-3 and cfg.eval.per_task["SST-2"].epochs == 1

@@ -8,6 +8,7 @@ from pathlib import Path
 from omegaconf import MISSING
 
 from cramming.errors import check_choice, config_error
+from cramming.eval.blimp import BlimpConfig
 from cramming.eval.head import HeadConfig  # defined beside the poolers it names; importable from here
 from cramming.eval.tasks import GLUE_SANE, GLUE_TASKS
 from cramming.impl import ImplConfig
@@ -148,11 +149,18 @@ class EvalConfig:
         )
 
 
+BENCHMARKS = ("glue", "blimp")
+
+
 @dataclass
 class EvalRunConfig:
-    """`python eval.py`: fine-tune and evaluate one pretrained checkpoint on GLUE."""
+    """`python eval.py`: evaluate one pretrained checkpoint, by fine-tuning on GLUE or zero-shot on BLiMP."""
 
-    eval: EvalConfig = MISSING
+    # glue: fine-tune and evaluate on GLUE (the `eval` settings); blimp: score BLiMP's minimal pairs zero-shot
+    # (the `blimp` settings; `eval=blimp` selects it)
+    benchmark: str = "glue"
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    blimp: BlimpConfig = field(default_factory=BlimpConfig)
     impl: ImplConfig = field(default_factory=ImplConfig)
     # a run folder, its checkpoint/ folder, or a pretraining run name (its newest finished run)
     checkpoint: str = MISSING
@@ -174,6 +182,7 @@ class EvalRunConfig:
 
     def __post_init__(self) -> None:
         check_trackers(self.trackers)
+        check_choice("benchmark", self.benchmark, BENCHMARKS)
         if self.budget is not None and self.budget <= 0:
             raise config_error("budget", self.budget, "give hours, e.g. budget=2, or null for no limit")
         if not self.name or "/" in self.name:

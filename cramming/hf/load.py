@@ -21,6 +21,7 @@ from transformers import AutoConfig, AutoModel, AutoModelForMaskedLM, Pretrained
 import cramming.hf  # noqa: F401  (registers crammed_bert: our own exports need no remote code)
 from cramming.errors import ConfigError, first_line
 from cramming.eval.backbone import Backbone
+from cramming.eval.blimp import TransformersMaskedLM
 from cramming.model.checkpoint import CheckpointUnreadable
 
 
@@ -148,3 +149,22 @@ def load_hf_backbone(
         info=info,
         max_positions=getattr(config, "max_position_embeddings", None),
     )
+
+
+def load_hf_masked_lm(
+    folder: str | Path, device: torch.device | str = "cpu", *, trust_remote_code: bool = False
+) -> TransformersMaskedLM:
+    """A local transformers masked LM (AutoModelForMaskedLM weights, tokenizer.json) for zero-shot scoring
+    (BLiMP); its [MASK] id from the tokenizer files."""
+    folder = Path(folder)
+    if not (folder / "config.json").is_file():
+        raise FileNotFoundError(f"{folder} is no transformers model folder: it has no config.json")
+    with naming(folder / "tokenizer.json"):
+        tokenizer = load_tokenizer(folder)
+    with naming(folder, "its masked-LM weights"):
+        model = AutoModelForMaskedLM.from_pretrained(folder, trust_remote_code=trust_remote_code).float()
+    with naming(folder / "tokenizer_config.json"):
+        mask_id = _special_token(folder, tokenizer, "mask", "[MASK]")
+    if mask_id is None:
+        raise ConfigError(f"{folder}: the tokenizer has no mask token ([MASK]): it cannot score by masking")
+    return TransformersMaskedLM(model.to(device), tokenizer, mask_id)

@@ -267,6 +267,21 @@ class RunCard:
         }
         self.seconds["eval"] = report["seconds"]
 
+    def record_blimp(self, checkpoint: Path, results: dict) -> None:
+        """The checkpoint scored and BLiMP's accuracies (overall, per phenomenon and field)."""
+        tokenizer = checkpoint / "tokenizer.json"
+        self.data |= {
+            "checkpoint": str(checkpoint),
+            "tokenizer_sha256": file_sha256(tokenizer) if tokenizer.exists() else None,
+        }
+        self.metrics |= {
+            "blimp_overall": results["overall"],
+            "blimp_per_linguistics_term": results["per_linguistics_term"],
+            "blimp_per_field": results["per_field"],
+            "blimp_pairs_scored": results["pairs_scored"],
+            "blimp_variant": results["variant"],
+        }
+
 
 def card_status(card: dict, now: dt.datetime | None = None) -> str:
     """A card's status as a reader should show it: `killed` for a card left `running`, without a finish
