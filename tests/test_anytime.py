@@ -75,7 +75,7 @@ def test_evaluates_once_per_fraction_and_charges_the_budget_or_not(anytime, char
     clock.now = 300.0
     assert evaluator.due(budget.fraction())
     rng_before = torch.get_rng_state()
-    record = evaluator(model, budget, update=7)
+    record = evaluator(model, budget, update=7, tokens=0)
     assert torch.equal(torch.get_rng_state(), rng_before)
     assert seen == ["RTE", "SST-2"]
     assert record["anytime_fraction"] == 0.25 and record["budget_fraction"] == pytest.approx(0.3)
@@ -96,3 +96,41 @@ def test_a_resumed_run_skips_the_fractions_it_passed(anytime):
 def test_fractions_are_checked():
     with pytest.raises(ConfigError, match="anytime.at"):
         AnytimeConfig(at=[0.5, 1.5])
+
+
+def test_blimp_subset_is_scored_on_the_current_weights_without_touching_them(tmp_path, monkeypatch):
+    """anytime.benchmarks=[blimp]: the subset is read once at start-up and scored zero-shot at each fraction;
+    the weights, the train mode the loop set and the random state are as before."""
+    from test_blimp import write_paradigm
+
+    data_dir = tmp_path / "blimp"
+    data_dir.mkdir()
+    write_paradigm(data_dir, "agreement", "subject_verb_agreement", "morphology", 4)
+    write_paradigm(data_dir, "island", "island_effects", "syntax", 4)
+    tokenizer = train_tokenizer(
+        [["the cat is .", "the cat are .", "a few words"] * 10],
+        TokenizerConfig(vocab_size=64),
+        NormalizerConfig(),
+    )
+    cfg = AnytimeConfig(at=[0.5], benchmarks=["blimp"])
+    cfg.blimp.dir, cfg.blimp.pairs_per_paradigm = str(data_dir), 3
+    data = SimpleNamespace(tokenizer=tokenizer, special=SpecialTokens())
+    evaluator = AnytimeEval(cfg, data, ImplConfig(device="cpu"), tmp_path / "hf")
+    assert evaluator.tasks == [] and sum(map(len, evaluator.blimp_pairs.values())) == 6
+    model = build_model(TINY, tokenizer.get_vocab_size()).train()
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    clock = ManualClock()
+    budget = BudgetClock(1000 / 3600, clock)
+    clock.now = 600.0
+    rng_before = torch.get_rng_state()
+    record = evaluator(model, budget, update=3, tokens=4096)
+    assert torch.equal(torch.get_rng_state(), rng_before)
+    assert all(torch.equal(weights[k], v) for k, v in model.state_dict().items())
+    assert 0.0 <= record["anytime_blimp"] <= 100.0 and record["tokens"] == 4096
+    assert set(record["anytime_blimp_terms"]) == {"subject_verb_agreement", "island_effects"}
+    assert "anytime" not in record  # no GLUE asked for
+
+
+def test_benchmarks_are_checked():
+    with pytest.raises(ConfigError, match="anytime.benchmarks"):
+        AnytimeConfig(at=[0.5], benchmarks=["squad"])

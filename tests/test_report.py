@@ -34,6 +34,7 @@ def _pretrain_run(folder: Path, num: int, optim: str, budget: float, status: str
             records.append(
                 {"update": 10 * i, "elapsed_h": budget * fraction, "anytime_fraction": fraction,
                  "anytime": {"RTE": 0.5 + 0.01 * i, "SST-2": 0.6 + 0.01 * i}, "anytime_average": 0.6,
+                 "anytime_blimp": 50.0 + i / 2, "anytime_blimp_terms": {"binding": 50.0}, "tokens": 128_000 * i,
                  "anytime_seconds": 3.0, "anytime_charged": False}
             )  # fmt: skip
     records.append({"update": 200, "val_loss": 5.1, "val_mlm_acc": 0.2})
@@ -87,7 +88,7 @@ def test_report_has_one_row_per_run_and_valid_plots(runs_folder, tmp_path):
     assert [r["kind"] for r in rows] == ["pretrain"] * 4 + ["eval"] * 3
     assert rows[4]["RTE"] == "0.55" and rows[5]["RTE"] == "0.53"
 
-    for name in ("loss", "schedule", "throughput", "glue", "anytime"):
+    for name in ("loss", "schedule", "throughput", "glue", "anytime", "blimp"):
         path = out / f"{name}.png"
         assert f"]({name}.png)" in report
         assert path.read_bytes()[:8] == PNG_SIGNATURE, name
@@ -203,6 +204,7 @@ def test_legends_stay_inside_the_figure_and_off_the_data(tmp_path, count):
         collect_runs,
         layout_problems,
         plot_anytime,
+        plot_blimp,
         plot_loss,
         plot_schedule,
         plot_throughput,
@@ -212,7 +214,7 @@ def test_legends_stay_inside_the_figure_and_off_the_data(tmp_path, count):
     runs = collect_runs(tmp_path / "runs")
     assert all(len(line) <= 28 for run in runs for line in run.key.split("\n"))
     assert len({run.key for run in runs}) == count  # one key per run
-    for draw in (plot_loss, plot_schedule, plot_throughput, plot_anytime):
+    for draw in (plot_loss, plot_schedule, plot_throughput, plot_anytime, plot_blimp):
         fig = draw(runs, tmp_path / f"{draw.__name__}.png")
         assert not layout_problems(fig), (draw.__name__, layout_problems(fig))
     report = build_report(tmp_path / "runs", tmp_path / "out").read_text()

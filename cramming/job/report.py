@@ -10,6 +10,7 @@ writes into --out (default: the first folder)
     throughput.png tokens per second over time
     glue.png       GLUE scores per task, one bar per run (e.g. per optimizer), grouped by task
     anytime.png    downstream scores at fractions of the pretraining budget (runs with anytime evaluation)
+    blimp.png      BLiMP accuracy against minutes and training tokens (anytime.benchmarks with blimp)
 
 An Optuna search (hydra/sweeper=optuna) adds its section: the sweeper's optimization_results.yaml (the best
 trial) and one row per trial, with the values it tried and its objective.
@@ -47,6 +48,7 @@ PLOTS = {
     "throughput": "Tokens per second over time",
     "glue": "GLUE scores per task",
     "anytime": "Downstream scores during pretraining (anytime evaluation)",
+    "blimp": "BLiMP during pretraining (anytime evaluation, zero-shot)",
 }
 
 
@@ -164,6 +166,9 @@ def pretrain_row(run: RunRecord) -> dict:
         "val_context_gain": _round(validation.get("val_context_gain"), 4),
         "tok_per_s": _round(m.get("tok_per_s", _median(r["tok_per_s"] for r in losses)), 0),
         "anytime_last": _round(anytime[-1].get("anytime_average"), 4) if anytime else None,
+        "blimp_last": _round(
+            next((r["anytime_blimp"] for r in reversed(anytime) if "anytime_blimp" in r), None), 2
+        ),
         **{
             f"{part}_s": _round(seconds.get(part), 1)
             for part in ("data", "setup", "compile", "train", "eval")
@@ -319,7 +324,7 @@ def plot_glue(runs: list[RunRecord], path: Path) -> Figure:
 
 def plot_anytime(runs: list[RunRecord], path: Path) -> Figure:
     """One panel per task: its score against the budget fraction, one line per run."""
-    records = {_legend_text(run): [r for r in run.metrics if "anytime_fraction" in r] for run in runs}
+    records = {_legend_text(run): [r for r in run.metrics if "anytime" in r] for run in runs}
     tasks = list(dict.fromkeys(task for rs in records.values() for r in rs for task in r["anytime"]))
     fig = figure((5.5 * len(tasks), 4.5))
     axes = fig.subplots(1, len(tasks), squeeze=False)
@@ -332,6 +337,22 @@ def plot_anytime(runs: list[RunRecord], path: Path) -> Figure:
         ax.grid(alpha=0.3)
     fig.suptitle(PLOTS["anytime"])
     return _finish(fig, axes[0][-1], path)
+
+
+def plot_blimp(runs: list[RunRecord], path: Path) -> Figure:
+    """BLiMP accuracy against the minutes of budget spent and against the training tokens, one line per run."""
+    records = {_legend_text(run): [r for r in run.metrics if "anytime_blimp" in r] for run in runs}
+    fig = figure((11.0, 4.5))
+    axes = fig.subplots(1, 2, squeeze=False)[0]
+    for label, rs in records.items():
+        y = [r["anytime_blimp"] for r in rs]
+        axes[0].plot([60 * r["elapsed_h"] for r in rs], y, marker="o", label=label, linewidth=1.2)
+        axes[1].plot([r.get("tokens", 0) / 1e6 for r in rs], y, marker="o", label=label, linewidth=1.2)
+    axes[0].set(xlabel="minutes of budget", ylabel="BLiMP accuracy (%)")
+    axes[1].set(xlabel="training tokens (millions)", ylabel="BLiMP accuracy (%)")
+    axes[0].grid(alpha=0.3)
+    fig.suptitle(PLOTS["blimp"])
+    return _finish(fig, axes[1], path)
 
 
 def _finish(fig: Figure, ax, path: Path) -> Figure:
@@ -385,10 +406,8 @@ def draw_plots(
         "schedule": (plot_schedule, with_curves),
         "throughput": (plot_throughput, with_curves),
         "glue": (plot_glue, [r for r in evaluation if r.ok and r.card["metrics"].get("scores")]),
-        "anytime": (
-            plot_anytime,
-            [r for r in pretraining if any("anytime_fraction" in m for m in r.metrics)],
-        ),
+        "anytime": (plot_anytime, [r for r in pretraining if any("anytime" in m for m in r.metrics)]),
+        "blimp": (plot_blimp, [r for r in pretraining if any("anytime_blimp" in m for m in r.metrics)]),
     }
     drawn = []
     for name, (draw, selected) in plots.items():

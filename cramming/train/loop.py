@@ -324,7 +324,9 @@ def run_hooks(run: Run) -> None:
     """Run each evaluation that is due on the current weights; the throughput figures leave its time out."""
     for hook in run.metrics.due_hooks(run.clock.fraction()):
         log_progress(run)  # closes the throughput window before the evaluation
-        run.metrics.run_hook(hook, run.model, run.clock, run.progress.updates)
+        run.metrics.run_hook(
+            hook, run.model, run.clock, run.progress.updates, run.progress.rows * run.data.seq_length
+        )
 
 
 def save_state(run: Run) -> None:

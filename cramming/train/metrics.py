@@ -32,7 +32,7 @@ class EvalHook(Protocol):
 
     def due(self, fraction: float) -> bool: ...
 
-    def __call__(self, model: nn.Module, clock: BudgetClock, update: int) -> dict: ...
+    def __call__(self, model: nn.Module, clock: BudgetClock, update: int, tokens: int) -> dict: ...
 
 
 @dataclass
@@ -132,10 +132,12 @@ class Metrics:
     def due_hooks(self, fraction: float) -> list[EvalHook]:
         return [hook for hook in self.hooks if hook.due(fraction)]
 
-    def run_hook(self, hook: EvalHook, model: nn.Module, clock: BudgetClock, update: int) -> None:
+    def run_hook(
+        self, hook: EvalHook, model: nn.Module, clock: BudgetClock, update: int, tokens: int
+    ) -> None:
         """One evaluation on the current weights, its time left out of the throughput figures (the caller
-        closes the window before it)."""
-        self.write(hook(model, clock, update))
+        closes the window before it). tokens: the training tokens seen so far."""
+        self.write(hook(model, clock, update, tokens))
         self.restart_window()
 
 
