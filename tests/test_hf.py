@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import re
 import shutil
 import subprocess
 import sys
@@ -13,17 +15,26 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
+from hydra import compose, initialize_config_dir
 from kernel_checks import sum_rtol
 from omegaconf import OmegaConf
 from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
 
 transformers = pytest.importorskip("transformers")
 
+from cramming.config import CONF_DIR, register_configs  # noqa: E402
 from cramming.data.config import NormalizerConfig, TokenizerConfig  # noqa: E402
 from cramming.data.tokenizer import SpecialTokens, build_normalizer, train_tokenizer  # noqa: E402
-from cramming.eval.config import HeadConfig  # noqa: E402
+from cramming.errors import ConfigError  # noqa: E402
+from cramming.eval.backbone import Backbone  # noqa: E402
+from cramming.eval.config import EvalConfig, EvalRunConfig, HeadConfig  # noqa: E402
+from cramming.eval.finetune import GlueRuns  # noqa: E402
 from cramming.eval.head import SequenceClassifier  # noqa: E402
-from cramming.hf import CrammedBertForMaskedLM, CrammedBertModel  # noqa: E402
+from cramming.eval.run import RESULTS_JSON, glue_report  # noqa: E402
+from cramming.eval.scores import summarize  # noqa: E402
+from cramming.eval.tasks import GLUE_TASKS  # noqa: E402
+from cramming.hf import AUTO_CLASSES, CrammedBertForMaskedLM, CrammedBertModel  # noqa: E402
 from cramming.hf.export import (  # noqa: E402
     ExportError,
     classifier_to_transformers,
@@ -32,6 +43,7 @@ from cramming.hf.export import (  # noqa: E402
 )
 from cramming.hf.export import main as export_main  # noqa: E402
 from cramming.hf.load import load_hf_backbone  # noqa: E402
+from cramming.job.runcard import RunCard  # noqa: E402
 from cramming.model import ArchConfig, BertForMLM, bert, build_model, modeling_crammed_bert  # noqa: E402
 from cramming.model.checkpoint import TOKENIZER, save_pretrained  # noqa: E402
 
@@ -193,6 +205,7 @@ def test_crammed_export_runs_in_transformers_alone(crammed, fresh):
     result = fresh
     assert result["class"] == "CrammedBertForMaskedLM"
     assert sorted(p.name for p in out.iterdir()) == [
+        "README.md",
         "bert.py",
         "config.json",
         "model.safetensors",
@@ -239,7 +252,12 @@ def test_fill_mask_pipeline_ranks_as_our_model(crammed, fresh):
 def test_registered_in_process_without_remote_code(crammed):
     model, checkpoint, out = crammed
     config = json.loads((out / "config.json").read_text())
-    assert config["model_type"] == "crammed_bert" and "AutoModelForMaskedLM" in config["auto_map"]
+    assert config["model_type"] == "crammed_bert"
+    # the folder's remote code serves every class this process registers, under the same factory
+    assert config["auto_map"] == {"AutoConfig": "modeling_crammed_bert.CrammedBertConfig"} | {
+        factory: f"modeling_crammed_bert.{model_class.__name__}"
+        for factory, model_class in AUTO_CLASSES.items()
+    }
     mlm = transformers.AutoModelForMaskedLM.from_pretrained(out).eval()
     base = transformers.AutoModel.from_pretrained(out).eval()
     assert isinstance(mlm, CrammedBertForMaskedLM) and isinstance(base, CrammedBertModel)
@@ -268,6 +286,8 @@ def test_bert_base_exports_as_native_bert(tmp_path):
     config = json.loads((out / "config.json").read_text())
     assert config["model_type"] == "bert" and "auto_map" not in config
     assert not (out / "modeling_crammed_bert.py").exists() and not (out / "bert.py").exists()
+    metadata, card = read_card(out)  # transformers' own BERT: no remote code to trust
+    assert metadata["tags"] == ["cramming", "bert"] and "trust_remote_code" not in card
     hf = transformers.BertForMaskedLM.from_pretrained(out).eval()
     batch = encode_batch(Tokenizer.from_file(str(checkpoint / TOKENIZER)), PAIRS)
     assert batch["token_type_ids"].any()  # the token-type embeddings are exercised
@@ -343,6 +363,8 @@ def test_sequence_classifier_export(tmp_path, name, pooler_width, model_type):
     )
     config = json.loads((out / "config.json").read_text())
     assert config["model_type"] == model_type and config["id2label"] == {"0": "a", "1": "b", "2": "c"}
+    metadata, card = read_card(out)
+    assert metadata["pipeline_tag"] == "text-classification" and "(labels: a, b, c)" in card
     hf = transformers.AutoModelForSequenceClassification.from_pretrained(out).eval()
     batch = encode_batch(Tokenizer.from_file(str(checkpoint / TOKENIZER)), PAIRS)
     ours.eval()
@@ -496,3 +518,131 @@ def test_eval_py_fine_tunes_a_transformers_folder(tmp_path, glue_dir):
     report = json.loads(results.read_text())
     assert set(report["scores"]) == {"RTE"} and report["checkpoint"] == str(folder.resolve())
     assert report["runs"][0]["steps"] == 2  # 32 examples, batch 16, one epoch
+
+
+# ------------------------------------------------------------------------------------------ the model card
+
+
+def read_card(folder: Path) -> tuple[dict, str]:
+    """The README.md of an exported folder: its YAML front matter, and the text below it."""
+    text = (folder / "README.md").read_text()
+    assert text.startswith("---\n"), text[:200]
+    front, body = text.removeprefix("---\n").split("\n---\n", 1)
+    return yaml.safe_load(front), body
+
+
+def project_license() -> str:
+    found = re.search(r'^license = \{ text = "([^"]+)" \}', (REPO / "pyproject.toml").read_text(), re.M)
+    return found.group(1).lower()
+
+
+def test_model_card_without_a_run_card_or_glue(crammed):
+    _, _, out = crammed
+    metadata, body = read_card(out)
+    assert metadata == {
+        "library_name": "transformers",
+        "license": project_license(),
+        "pipeline_tag": "fill-mask",
+        "tags": ["cramming", "bert", "crammed_bert", "custom_code"],
+    }
+    assert "`arch=tiny`: 2 layers, hidden size 64, 2 attention heads" in body
+    assert "trust_remote_code=True" in body and "AutoModelForQuestionAnswering" in body
+    assert "its run left no run card" in body and "| Data | not recorded |" in body
+    assert "No GLUE evaluation is recorded for this checkpoint." in body
+
+
+def pretraining_run_card(run_dir: Path, overrides: list[str], training: dict) -> dict:
+    """The run card pretrain.py leaves beside its checkpoint, written by cramming's RunCard from the config
+    these overrides compose: 40,000 rows of 128 tokens trained."""
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        config = OmegaConf.to_container(compose("pretrain", overrides=overrides), resolve=True)
+    card = RunCard(run_dir, "pretrain", config, {"overrides": overrides})
+    stats = {"cache_key": "wikibooks-0123", "train_rows": 5000, "seq_length": 128}
+    card.record_pretraining_data(run_dir / "data", stats, vocab_size=300)
+    card.record_pretraining(
+        stop_reason=training["stop_reason"], updates=training["updates"], rows=40_000,
+        elapsed=training["elapsed_h"] * 3600, elapsed_before=0.0, validation=training["validation"],
+        finished=True,
+    )  # fmt: skip
+    card.end("ok")
+    return config
+
+
+def glue_evaluation(folder: Path, checkpoint: str, training: dict, scores: dict[str, float]) -> Path:
+    """An evaluation folder as eval.py leaves it: glue_results.json, made by cramming's glue_report from one
+    seed's main metric per task."""
+    per_entry = {task: [{GLUE_TASKS[task].metrics[0]: score}] for task, score in scores.items()}
+    backbone = Backbone(
+        torch.nn.Identity(), 64, 0.1, None, 0, info={"checkpoint": checkpoint, "pretraining": training}
+    )
+    config = EvalRunConfig(eval=EvalConfig(), checkpoint=checkpoint)
+    report = glue_report(config, backbone, GlueRuns(per_entry), summarize(per_entry), [], {}, 0.0)
+    folder.mkdir(parents=True)
+    (folder / RESULTS_JSON).write_text(json.dumps(report, indent=2))
+    return folder
+
+
+TRAINING = {"updates": 1234, "elapsed_h": 23.9, "stop_reason": "budget",
+            "validation": {"loss": 2.3456, "mlm_acc": 0.55}}  # fmt: skip
+
+
+def provenance_checkpoint(base: Path) -> tuple[Path, Path, dict]:
+    """A finished pretraining run under base/demo/ (a tiny model recorded as a 24-hour wikibooks run),
+    its checkpoint folder and its run card's config."""
+    run_dir = base / "demo" / "2026-01-01_00-00-00"
+    _, checkpoint = make_checkpoint(run_dir, arch("tiny", **TINY))
+    config = json.loads((checkpoint / "model_config.json").read_text())
+    (checkpoint / "model_config.json").write_text(json.dumps(config | {"training": TRAINING}))
+    overrides = ["arch=tiny", "data=wikibooks", "budget=24", "name=demo", f"base_dir={base}",
+                 f"anytime.recipe.glue_dir={base}/glue-data"]  # fmt: skip
+    return run_dir, checkpoint, pretraining_run_card(run_dir, overrides, TRAINING)
+
+
+def test_model_card_holds_the_runs_provenance_and_its_glue_scores(tmp_path):
+    base = tmp_path / "outputs"
+    run_dir, checkpoint, config = provenance_checkpoint(base)
+    scores = {"MRPC": 0.8125, "RTE": 0.6, "WNLI": 0.5}
+    older = glue_evaluation(base / "glue" / "2026-01-01_12-00-00", str(checkpoint), TRAINING, {"RTE": 0.1})
+    os.utime(older / RESULTS_JSON, (1, 1))
+    # the newest evaluation of it names it where the runs lay on the machine that evaluated them
+    moved = str(Path("/elsewhere") / checkpoint.relative_to(tmp_path))
+    glue_evaluation(base / "glue" / "2026-01-02_00-00-00", moved, TRAINING, scores)
+    # the same path's tail with another pretraining record: another checkpoint
+    other = TRAINING | {"updates": 99}
+    glue_evaluation(base / "glue" / "2026-01-03_00-00-00", moved, other, {"RTE": 0.99})
+    out = to_transformers(run_dir, tmp_path / "hf", base_dir=base)
+    metadata, body = read_card(out)
+    assert metadata["datasets"] == ["wikimedia/wikipedia", "bookcorpus/bookcorpus"]
+    assert metadata["pipeline_tag"] == "fill-mask" and metadata["license"] == project_license()
+    print(body)
+    for row in [
+        "| Data | `data=wikibooks`: wikimedia/wikipedia (20231101.en), bookcorpus/bookcorpus at revision"
+        " refs/convert/parquet; 5,000 training rows of 128 tokens |",
+        "| Trained | 5,120,000 tokens in 1,234 updates (stopped by: budget) |",
+        "| Budget | 24 h allowed, 23.9 h spent |",
+        f"| Optimizer | {config['train']['optim']['name']} |",
+        "| Validation MLM loss | 2.3456 (masked-token accuracy 55.0%) |",
+        "| Command | `python pretrain.py arch=tiny data=wikibooks budget=24 name=demo` |",
+    ]:
+        assert row in body
+    assert body.startswith("\n# demo\n") and "`arch=tiny`" in body
+    assert "glue-sane" in body and "from the evaluation `glue/2026-01-02_00-00-00`" in body
+    assert "| MRPC | f1 | 81.2 |" in body and "| RTE | accuracy | 60.0 |" in body
+    assert "Average over 2 entries (WNLI never counts): 70.6." in body
+    assert "| 10.0 |" not in body and "| 99.0 |" not in body
+    assert str(tmp_path) not in body  # no path of this machine on the model's public page
+
+
+def test_model_card_takes_the_evaluation_it_is_given(tmp_path):
+    base = tmp_path / "outputs"
+    run_dir, checkpoint, _ = provenance_checkpoint(base)
+    chosen = glue_evaluation(tmp_path / "evals" / "rte-only", str(checkpoint), TRAINING, {"RTE": 0.625})
+    out = to_transformers(run_dir, tmp_path / "hf", base_dir=base, glue=chosen)
+    _, body = read_card(out)
+    assert "| RTE | accuracy | 62.5 |" in body and "from the evaluation `rte-only`" in body
+    stranger = glue_evaluation(tmp_path / "evals" / "other", "/runs/x/checkpoint", TRAINING, {"RTE": 0.5})
+    with pytest.raises(ConfigError, match=r"that evaluation is of /runs/x/checkpoint, not of"):
+        to_transformers(run_dir, tmp_path / "hf2", base_dir=base, glue=stranger)
+    with pytest.raises(ConfigError, match="no glue_results.json there"):
+        to_transformers(run_dir, tmp_path / "hf3", base_dir=base, glue=tmp_path / "evals")

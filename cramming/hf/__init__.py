@@ -22,26 +22,45 @@ except ImportError as err:
 from cramming.model.modeling_crammed_bert import (
     CrammedBertConfig,
     CrammedBertForMaskedLM,
+    CrammedBertForMultipleChoice,
+    CrammedBertForQuestionAnswering,
     CrammedBertForSequenceClassification,
+    CrammedBertForTokenClassification,
     CrammedBertModel,
 )
 
+# the Auto* factory of each class, by the factory's name: an export's config.json maps the same names to the
+# same classes in its auto_map (cramming.hf.export), so the folder loads alike with and without cramming
+AUTO_CLASSES = {
+    "AutoModel": CrammedBertModel,
+    "AutoModelForMaskedLM": CrammedBertForMaskedLM,
+    "AutoModelForSequenceClassification": CrammedBertForSequenceClassification,
+    "AutoModelForTokenClassification": CrammedBertForTokenClassification,
+    "AutoModelForQuestionAnswering": CrammedBertForQuestionAnswering,
+    "AutoModelForMultipleChoice": CrammedBertForMultipleChoice,
+}
+
 
 def _register() -> None:
+    """Register the classes with the Auto* factories, and for their auto class: save_pretrained of a model
+    built here (a fine-tuned head) then writes the two code files beside the weights, as an export does, so
+    the saved folder loads without cramming too (trust_remote_code), on the Hub or elsewhere."""
     transformers.AutoConfig.register(CrammedBertConfig.model_type, CrammedBertConfig, exist_ok=True)
-    for factory, model in (
-        (transformers.AutoModel, CrammedBertModel),
-        (transformers.AutoModelForMaskedLM, CrammedBertForMaskedLM),
-        (transformers.AutoModelForSequenceClassification, CrammedBertForSequenceClassification),
-    ):
-        factory.register(CrammedBertConfig, model, exist_ok=True)
+    CrammedBertConfig.register_for_auto_class("AutoConfig")
+    for factory, model in AUTO_CLASSES.items():
+        getattr(transformers, factory).register(CrammedBertConfig, model, exist_ok=True)
+        model.register_for_auto_class(factory)
 
 
 _register()
 
 __all__ = [
+    "AUTO_CLASSES",
     "CrammedBertConfig",
     "CrammedBertForMaskedLM",
+    "CrammedBertForMultipleChoice",
+    "CrammedBertForQuestionAnswering",
     "CrammedBertForSequenceClassification",
+    "CrammedBertForTokenClassification",
     "CrammedBertModel",
 ]

@@ -7,6 +7,8 @@ out/
     model.safetensors        the weights under the transformers model's key names
     tokenizer.json, tokenizer_config.json, special_tokens_map.json
                              the checkpoint's tokenizer as a plain PreTrainedTokenizerFast
+    README.md                the model card, the Hub's page of the model (cramming.hf.card): how it was
+                             trained and its GLUE scores, read from the run's files
 
 Format `bert` is a native BertForMaskedLM / BertForSequenceClassification: only for an arch that computes
 what BERT computes (conf/arch/bert-base.yaml at any size). Format `crammed_bert` expresses every ArchConfig
@@ -31,6 +33,7 @@ from transformers import BertConfig, BertForMaskedLM, BertForSequenceClassificat
 
 from cramming.data.tokenizer import SpecialTokens
 from cramming.errors import ConfigError, WriteFailed
+from cramming.hf import AUTO_CLASSES, card
 from cramming.model import bert as core
 from cramming.model import modeling_crammed_bert as crammed
 from cramming.model.checkpoint import (
@@ -236,7 +239,12 @@ def _write_tokenizer(tokenizer: Tokenizer, special: SpecialTokens, out: Path, ma
 
 
 def _save(
-    model: PreTrainedModel, tokenizer: Tokenizer, special: SpecialTokens, out: Path, max_length: int
+    model: PreTrainedModel,
+    tokenizer: Tokenizer,
+    special: SpecialTokens,
+    out: Path,
+    max_length: int,
+    readme: str,
 ) -> Path:
     """Write the folder; refuses a non-empty `out` rather than mixing two models' files. Written into a
     temporary sibling folder and renamed, so a failed export (a full disk) leaves no half-written model."""
@@ -254,6 +262,7 @@ def _save(
         ) from err
     try:
         _write_folder(model, tokenizer, special, partial, max_length)
+        (partial / card.CARD).write_text(readme)
         partial.chmod(0o755)  # mkdtemp's folder is private
         os.replace(partial, out)  # onto a missing or empty folder
     except OSError as err:
@@ -268,11 +277,9 @@ def _write_folder(
 ) -> None:
     if isinstance(model.config, crammed.CrammedBertConfig):
         module = MODELING_FILES[0].stem
-        model.config.auto_map = {
-            "AutoConfig": f"{module}.CrammedBertConfig",
-            "AutoModel": f"{module}.CrammedBertModel",
-            "AutoModelForMaskedLM": f"{module}.CrammedBertForMaskedLM",
-            "AutoModelForSequenceClassification": f"{module}.CrammedBertForSequenceClassification",
+        # the classes cramming.hf registers, under the same factories: trust_remote_code loads the same heads
+        model.config.auto_map = {"AutoConfig": f"{module}.CrammedBertConfig"} | {
+            factory: f"{module}.{model_class.__name__}" for factory, model_class in AUTO_CLASSES.items()
         }
         for path in MODELING_FILES:
             shutil.copyfile(path, out / path.name)
@@ -280,10 +287,31 @@ def _write_folder(
     _write_tokenizer(tokenizer, special, out, max_length)
 
 
+def model_card(
+    model: PreTrainedModel,
+    directory: Path,
+    base_dir: str | Path,
+    glue: str | Path | None,
+    labels: list[str] | None = None,
+) -> str:
+    """The README.md of the folder of `model`, exported from the checkpoint folder `directory` (see
+    cramming.hf.card): glue, an evaluation folder of it; None looks for the newest under base_dir."""
+    provenance = card.read_provenance(directory, base_dir, glue)
+    remote = isinstance(model.config, crammed.CrammedBertConfig)
+    return card.model_card(provenance, parameters=model.num_parameters(), remote_code=remote, labels=labels)
+
+
 def to_transformers(
-    checkpoint: str | Path, out: str | Path, *, base_dir: str | Path = "outputs", format: str = "auto"
+    checkpoint: str | Path,
+    out: str | Path,
+    *,
+    base_dir: str | Path = "outputs",
+    format: str = "auto",
+    glue: str | Path | None = None,
 ) -> Path:
-    """Export a checkpoint (run folder, checkpoint folder or run name) as a masked-LM transformers folder."""
+    """Export a checkpoint (run folder, checkpoint folder or run name) as a masked-LM transformers folder,
+    with a model card; glue: the eval.py folder whose scores it shows (None: the newest evaluation of this
+    checkpoint under base_dir, if any)."""
     directory = resolve_checkpoint(checkpoint, base_dir)
     check_checkpoint_files(directory)
     pretrained = load_pretrained(directory, attention="eager")
@@ -296,7 +324,8 @@ def to_transformers(
         model = _fill(BertForMaskedLM(bert_config(arch, vocab, special)), hf_state)
     else:  # the crammed modules carry cramming's names: the state dict loads as is
         model = _fill(crammed.CrammedBertForMaskedLM(crammed_config(arch, vocab, special)), state)
-    return _save(model, pretrained.tokenizer, special, Path(out), arch.max_seq_length)
+    readme = model_card(model, directory, base_dir, glue)
+    return _save(model, pretrained.tokenizer, special, Path(out), arch.max_seq_length, readme)
 
 
 def _classifier_head(num_labels: int, dropout: float | None, labels: list[str] | None) -> dict:
@@ -352,6 +381,7 @@ def classifier_to_transformers(
     labels: list[str] | None = None,
     base_dir: str | Path = "outputs",
     format: str = "auto",
+    glue: str | Path | None = None,
 ) -> Path:
     """Export a fine-tuned sequence classifier: `encoder` (our Encoder, fine-tuned from `checkpoint`, which
     supplies arch, tokenizer and special tokens) and its head on the first token's hidden state:
@@ -379,7 +409,9 @@ def classifier_to_transformers(
             crammed.CrammedBertForSequenceClassification(hf_config), _prefixed("encoder.", state) | head_state
         )
     tokenizer = Tokenizer.from_file(str(directory / TOKENIZER))
-    return _save(model, tokenizer, special, Path(out), arch.max_seq_length)
+    names = [model.config.id2label[i] for i in range(classifier.out_features)]
+    readme = model_card(model, directory, base_dir, glue, labels=names)
+    return _save(model, tokenizer, special, Path(out), arch.max_seq_length, readme)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -392,9 +424,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--format", default="auto", choices=FORMATS, help="auto: native BERT where it applies"
     )
+    parser.add_argument(
+        "--glue",
+        help="the eval.py folder whose GLUE scores the model card shows (default: the newest evaluation of"
+        " this checkpoint under --base-dir)",
+    )
     args = parser.parse_args(argv)
     try:
-        out = to_transformers(args.checkpoint, args.out, base_dir=args.base_dir, format=args.format)
+        out = to_transformers(
+            args.checkpoint, args.out, base_dir=args.base_dir, format=args.format, glue=args.glue
+        )
     except Exception as err:
         from cramming.job import exits  # the command line's exit codes, those of pretrain.py and eval.py
 
@@ -410,3 +449,4 @@ def main(argv: list[str] | None = None) -> None:
     if remote:
         print("          (no trust_remote_code needed in a process that has imported cramming.hf)")
     print(f"GLUE:     python eval.py checkpoint=hf:{out}")
+    print(f"share it: hf upload <user>/<model> {out}   (the model card is {out / card.CARD})")

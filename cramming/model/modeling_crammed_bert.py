@@ -7,7 +7,8 @@ process with cramming no remote code is needed.
 
 The model is bert.py's, module for module, so a cramming state dict loads unchanged, computed with bert.py's
 plain PyTorch kernels. Only what transformers expects around it is here: the config under Hugging Face's
-names, every block's hidden states, the loss over all positions, and the sequence-classification head.
+names, every block's hidden states, the loss over all positions, and the fine-tuning heads of transformers'
+BERT: sequence classification, token classification, extractive question answering and multiple choice.
 """
 
 from __future__ import annotations
@@ -19,7 +20,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
-from transformers.modeling_outputs import BaseModelOutput, MaskedLMOutput, SequenceClassifierOutput
+from transformers.modeling_outputs import (
+    BaseModelOutput,
+    MaskedLMOutput,
+    MultipleChoiceModelOutput,
+    QuestionAnsweringModelOutput,
+    SequenceClassifierOutput,
+    TokenClassifierOutput,
+)
+from transformers.utils import ModelOutput
 
 from .bert import (
     CHOICES,
@@ -218,6 +227,40 @@ class CrammedBertForMaskedLM(CrammedBertPreTrainedModel):
         return MaskedLMOutput(loss=loss, logits=logits, hidden_states=out.hidden_states)
 
 
+def _classifier_dropout(config: CrammedBertConfig) -> nn.Dropout:
+    """Dropout before a classifier: classifier_dropout, or hidden_dropout_prob when that is unset."""
+    dropout = config.classifier_dropout
+    return nn.Dropout(config.hidden_dropout_prob if dropout is None else dropout)
+
+
+def _pooled_head(config: CrammedBertConfig, outputs: int) -> tuple[nn.Module | None, nn.Dropout, nn.Linear]:
+    """The head on the first token: [pooler: Linear(hidden, classifier_head_dim) + Tanh, when that is set],
+    dropout, and the classifier Linear(width, outputs)."""
+    width = config.classifier_head_dim or config.hidden_size
+    pooler = (
+        nn.Sequential(nn.Linear(config.hidden_size, width), nn.Tanh()) if config.classifier_head_dim else None
+    )
+    return pooler, _classifier_dropout(config), nn.Linear(width, outputs)
+
+
+def _first_token_logits(model: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """hidden (rows, seq, hidden) -> the model's pooled head on each row's first token: (rows, outputs)."""
+    pooled = hidden[:, 0]  # zero_index pooling: (rows, hidden)
+    if model.pooler is not None:
+        pooled = model.pooler(pooled)  # (rows, classifier_head_dim)
+    return model.classifier(model.dropout(pooled))
+
+
+def _outputs(
+    kind: type, return_dict: bool | None, loss: torch.Tensor | None, **values
+) -> ModelOutput | tuple:
+    """transformers' output class `kind`, or with return_dict=False its tuple: the loss first when there is
+    one, then the values that are set, in order."""
+    if return_dict is False:
+        return tuple(t for t in (loss, *values.values()) if t is not None)
+    return kind(loss=loss, **values)
+
+
 class CrammedBertForSequenceClassification(CrammedBertPreTrainedModel):
     """The first token's final hidden state -> [pooler: Linear + Tanh] -> Dropout -> Linear(num_labels)."""
 
@@ -225,15 +268,7 @@ class CrammedBertForSequenceClassification(CrammedBertPreTrainedModel):
         super().__init__(config)
         self.num_labels = config.num_labels
         self.encoder = CrammedBertModel(config)
-        width = config.classifier_head_dim or config.hidden_size
-        self.pooler = (
-            nn.Sequential(nn.Linear(config.hidden_size, width), nn.Tanh())
-            if config.classifier_head_dim
-            else None
-        )
-        dropout = config.classifier_dropout
-        self.dropout = nn.Dropout(config.hidden_dropout_prob if dropout is None else dropout)
-        self.classifier = nn.Linear(width, config.num_labels)
+        self.pooler, self.dropout, self.classifier = _pooled_head(config, config.num_labels)
         self.post_init()
 
     def forward(
@@ -249,14 +284,11 @@ class CrammedBertForSequenceClassification(CrammedBertPreTrainedModel):
         out = self.encoder(
             input_ids, attention_mask, token_type_ids, output_hidden_states=output_hidden_states
         )
-        pooled = out.last_hidden_state[:, 0]  # zero_index pooling: (batch, hidden)
-        if self.pooler is not None:
-            pooled = self.pooler(pooled)  # (batch, classifier_head_dim)
-        logits = self.classifier(self.dropout(pooled))  # (batch, num_labels)
+        logits = _first_token_logits(self, out.last_hidden_state)  # (batch, num_labels)
         loss = None if labels is None else self._loss(logits, labels)
-        if return_dict is False:
-            return tuple(t for t in (loss, logits, out.hidden_states) if t is not None)
-        return SequenceClassifierOutput(loss=loss, logits=logits, hidden_states=out.hidden_states)
+        return _outputs(
+            SequenceClassifierOutput, return_dict, loss, logits=logits, hidden_states=out.hidden_states
+        )
 
     def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """The usual transformers rule: one label -> regression, integer labels -> single-label classification."""
@@ -271,3 +303,125 @@ class CrammedBertForSequenceClassification(CrammedBertPreTrainedModel):
         if kind == "single_label_classification":
             return F.cross_entropy(logits.float(), labels.view(-1))
         return F.binary_cross_entropy_with_logits(logits.float(), labels.float())
+
+
+class CrammedBertForTokenClassification(CrammedBertPreTrainedModel):
+    """Every token's final hidden state -> Dropout -> Linear(num_labels), as transformers'
+    BertForTokenClassification (named entities, parts of speech)."""
+
+    def __init__(self, config: CrammedBertConfig):
+        super().__init__(config)
+        self.num_labels = config.num_labels
+        self.encoder = CrammedBertModel(config)
+        self.dropout = _classifier_dropout(config)
+        self.classifier = nn.Linear(config.hidden_size, config.num_labels)
+        self.post_init()
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        token_type_ids: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        output_hidden_states: bool | None = None,
+        return_dict: bool | None = None,
+        **kwargs,
+    ) -> TokenClassifierOutput | tuple:
+        """Logits (batch, seq, num_labels); labels (batch, seq): -100 where a token has none (padding, [CLS],
+        the word pieces after a word's first)."""
+        out = self.encoder(
+            input_ids, attention_mask, token_type_ids, output_hidden_states=output_hidden_states
+        )
+        logits = self.classifier(self.dropout(out.last_hidden_state))  # (batch, seq, num_labels)
+        loss = None
+        if labels is not None:
+            loss = cross_entropy(logits.flatten(0, 1), labels.flatten(), IGNORE_INDEX)
+        return _outputs(
+            TokenClassifierOutput, return_dict, loss, logits=logits, hidden_states=out.hidden_states
+        )
+
+
+class CrammedBertForQuestionAnswering(CrammedBertPreTrainedModel):
+    """Extractive question answering, as transformers' BertForQuestionAnswering: every token's final hidden
+    state -> Linear(2), the scores of the answer span starting and ending there."""
+
+    def __init__(self, config: CrammedBertConfig):
+        super().__init__(config)
+        self.encoder = CrammedBertModel(config)
+        self.qa_outputs = nn.Linear(config.hidden_size, 2)
+        self.post_init()
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        token_type_ids: torch.Tensor | None = None,
+        start_positions: torch.Tensor | None = None,
+        end_positions: torch.Tensor | None = None,
+        output_hidden_states: bool | None = None,
+        return_dict: bool | None = None,
+        **kwargs,
+    ) -> QuestionAnsweringModelOutput | tuple:
+        """start_logits, end_logits: (batch, seq). With start_positions and end_positions (batch,): the mean
+        of the two cross-entropies; a position outside the sequence is clamped to its length and then
+        ignored (transformers' rule: an answer cut off by truncation teaches nothing)."""
+        out = self.encoder(
+            input_ids, attention_mask, token_type_ids, output_hidden_states=output_hidden_states
+        )
+        logits = self.qa_outputs(out.last_hidden_state)  # (batch, seq, 2)
+        start_logits, end_logits = (t.squeeze(-1).contiguous() for t in logits.split(1, dim=-1))
+        loss = None
+        if start_positions is not None and end_positions is not None:
+            ignored = start_logits.size(1)
+            start = start_positions.view(-1).clamp(0, ignored)
+            end = end_positions.view(-1).clamp(0, ignored)
+            loss = (cross_entropy(start_logits, start, ignored) + cross_entropy(end_logits, end, ignored)) / 2
+        return _outputs(
+            QuestionAnsweringModelOutput,
+            return_dict,
+            loss,
+            start_logits=start_logits,
+            end_logits=end_logits,
+            hidden_states=out.hidden_states,
+        )
+
+
+class CrammedBertForMultipleChoice(CrammedBertPreTrainedModel):
+    """Each (prompt, choice) pair scored on its own, as transformers' BertForMultipleChoice: the first token
+    -> the sequence classifier's head with one output ([pooler] -> Dropout -> Linear(1)); the scores of a
+    question's choices compete in one softmax."""
+
+    def __init__(self, config: CrammedBertConfig):
+        super().__init__(config)
+        self.encoder = CrammedBertModel(config)
+        self.pooler, self.dropout, self.classifier = _pooled_head(config, 1)
+        self.post_init()
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        token_type_ids: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        output_hidden_states: bool | None = None,
+        return_dict: bool | None = None,
+        **kwargs,
+    ) -> MultipleChoiceModelOutput | tuple:
+        """Inputs (batch, choices, seq) -> logits (batch, choices); labels (batch,): the right choice's index.
+        hidden_states, when asked for, are those of the flattened (batch * choices) rows."""
+        choices = input_ids.shape[1]
+
+        def flat(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.flatten(0, 1)  # (batch * choices, seq)
+
+        out = self.encoder(
+            flat(input_ids),
+            flat(attention_mask),
+            flat(token_type_ids),
+            output_hidden_states=output_hidden_states,
+        )
+        logits = _first_token_logits(self, out.last_hidden_state).view(-1, choices)  # (batch, choices)
+        loss = None if labels is None else cross_entropy(logits, labels.view(-1))
+        return _outputs(
+            MultipleChoiceModelOutput, return_dict, loss, logits=logits, hidden_states=out.hidden_states
+        )
