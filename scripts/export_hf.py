@@ -1,6 +1,6 @@
 """Export a checkpoint as a Hugging Face transformers folder: see cramming/hf/export.py.
 
-python scripts/export_hf.py <run folder | checkpoint folder | run name> <out folder> [--base-dir outputs]
+python scripts/export_hf.py <run folder | checkpoint folder | run name> <out folder> [--base-dir outputs] [--glue <eval folder>]
 """
 
 from cramming.hf.export import main
