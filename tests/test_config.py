@@ -90,8 +90,8 @@ def test_cpu_study_sweep_composes_to_its_documented_recipe():
     cfg = validate(_compose("+sweep=cpu-study", "arch=bert-tiny", "budget=1"))
     assert cfg.arch.name == "bert-tiny" and cfg.arch.attention_bias == "alibi"
     assert cfg.data.tokenizer.vocab_size == 8192
-    # all twelve shards: read about once instead of two repeated (results/cpu-study/, issue 33's fourth session)
-    assert cfg.data.sources["local"].files == "../shared/data/wikipedia-en-2015/train-*-of-00012.jsonl.gz"
+    # all twelve shards, in the project-local folder that `scripts/get_data.py wikipedia` makes
+    assert cfg.data.sources["local"].files == "data/wikipedia/train-*-of-00012.jsonl.gz"
     assert (cfg.train.batch_size, cfg.train.batch_size_ramp, cfg.impl.cpu_threads) == (64, 0, 1)
     mini = validate(_compose("+sweep=cpu-study", "arch=bert-mini"))
     assert mini.arch.name == "bert-mini" and mini.arch.attention_bias == "alibi"
@@ -134,8 +134,8 @@ def _strings(node, where: str):
 
 
 def test_no_config_names_an_absolute_path():
-    """Configs run on any machine: data and outputs are named relative to the repository root (the shared
-    data is at ../shared), or given on the command line."""
+    """Configs run on any machine: data and outputs are named relative to the repository root (data/, which
+    scripts/get_data.py fills), or given on the command line."""
     found = []
     for path in sorted(CONF_DIR.rglob("*.yaml")):
         text = path.read_text()
@@ -170,10 +170,10 @@ def test_no_script_or_entry_point_names_a_machines_folder():
 @pytest.mark.parametrize(
     "value, absolute",
     [
-        ("/work/shared/data/glue", True),
+        ("/home/me/glue", True),
         ("~/data", True),
         ("C:\\data", True),
-        ("../shared/data/glue", False),
+        ("data/glue", False),
         ("outputs", False),
     ],
 )

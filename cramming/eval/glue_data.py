@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import logging
 import math
+import re
 from pathlib import Path
 
 import datasets
@@ -39,6 +40,9 @@ class TaskDataMissing(DataSourceError):
 def _features(task: GlueTask) -> datasets.Features:
     return FEATURES["regression" if task.is_regression else "classification"]
 
+
+# characters that would end a field or a row of a TSV file read without quoting
+TSV_BREAKS = re.compile(r"[\t\r\n]")
 
 SKIP_HINT = "fix the file, or set eval.skip_bad_rows=true to skip such rows (counted in glue_results.json)"
 
@@ -130,12 +134,16 @@ def load_local(
     return datasets.DatasetDict({split: read_tsv(path, task, bad_rows) for split, path in files.items()})
 
 
+def hub_dataset(task: GlueTask, cache_dir: str | Path | None = None) -> datasets.DatasetDict:
+    """The task as the hub's `nyu-mll/glue` holds it (its own columns and split names): the one network call
+    of this module. Raises ConnectionError without network."""
+    return datasets.load_dataset(HUB_PATH, task.hub_config, cache_dir=str(cache_dir) if cache_dir else None)
+
+
 def load_hub(task: GlueTask, cache_dir: str | Path | None = None) -> datasets.DatasetDict:
     """The same splits from the hub's `nyu-mll/glue`, renamed to the local layout."""
     try:
-        hub = datasets.load_dataset(
-            HUB_PATH, task.hub_config, cache_dir=str(cache_dir) if cache_dir else None
-        )
+        hub = hub_dataset(task, cache_dir)
     except ConnectionError as err:
         raise TaskDataMissing(
             f"{task.name}: could not reach the Hugging Face hub ({err}); point eval.glue_dir at a local copy "
@@ -150,6 +158,54 @@ def load_hub(task: GlueTask, cache_dir: str | Path | None = None) -> datasets.Da
             {"text_a": ds[task.hub_text_a], "text_b": text_b, "label": ds["label"]}, features=_features(task)
         )
     return datasets.DatasetDict(out)
+
+
+def write_local(task: GlueTask, splits: datasets.DatasetDict, glue_dir: str | Path) -> list[Path]:
+    """Write `splits` (load_hub's or load_local's shape) as `glue_dir/<task>/<file>.tsv` in the layout
+    load_local reads: `train.tsv` and the task's dev files, tab-separated, a header row of the columns the
+    reader looks for (none for CoLA, whose original files have none), labels as the original files write
+    them. Tabs and line breaks inside a text become spaces (the files are read without quoting). Each file
+    is written beside its final name and then renamed, so a stopped command leaves no half-written file.
+    Returns the files written."""
+    layout, folder = task.tsv, Path(glue_dir) / task.name
+    # CoLA's files have no header and four columns (source, label, original label, sentence); the others a
+    # header naming the columns
+    columns = layout.columns or tuple(c for c in (layout.text_a, layout.text_b, layout.label) if c)
+    folder.mkdir(parents=True, exist_ok=True)
+    stems = {"train": "train"} | {split or "dev": stem for split, stem, _ in task.eval_splits}
+    written = []
+    for split, stem in stems.items():
+        path = folder / f"{stem}.tsv"
+        partial = path.with_name(path.name + ".partial")
+        with open(partial, "w", encoding="utf-8", newline="") as f:
+            if not layout.columns:
+                f.write("\t".join(columns) + "\n")
+            for row in splits[split]:
+                values = {
+                    layout.text_a: _one_field(row["text_a"]),
+                    layout.label: _label_text(row["label"], task),
+                }
+                if layout.text_b:
+                    values[layout.text_b] = _one_field(row["text_b"])
+                f.write("\t".join(values.get(c, "") for c in columns) + "\n")
+        partial.replace(path)
+        written.append(path)
+    return written
+
+
+def _one_field(text: str) -> str:
+    return TSV_BREAKS.sub(" ", text)
+
+
+def _label_text(label: int | float, task: GlueTask) -> str:
+    """A label as the original TSV files write it: the class name, or the score."""
+    if task.is_regression:
+        return f"{float(label):.6g}"
+    if not 0 <= label < len(task.labels):
+        raise DataSourceError(
+            f"{task.name}: label {label} is not a class id of {task.labels} (a test split?)"
+        )
+    return task.labels[label]
 
 
 def load_task(
