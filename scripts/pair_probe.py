@@ -1,11 +1,12 @@
 """Can a checkpoint compare two sentences before fine-tuning? The pair probe of cramming/eval/pair_probe.py:
 
     python scripts/pair_probe.py <run folder | run name | checkpoint folder> [more ...]
-        [--glue-dir ../shared/data/glue] [--pairs 1500] [--json]
+        [--glue-dir data/glue] [--pairs 1500] [--json]
 
 For each checkpoint, one line: the Pearson correlation (x100) with STS-B's dev scores of the cosine between the
 two sentences' mean-pooled final hidden states, each sentence encoded alone and the pair encoded together.
-Without --glue-dir the dev split comes from the hub (nyu-mll/glue). Runs on one CPU thread in about 10 s per
+Without --glue-dir the dev split comes from the hub (nyu-mll/glue); `python scripts/get_data.py glue` writes
+data/glue for machines without network. Runs on one CPU thread in about 10 s per
 bert-tiny checkpoint.
 """
 

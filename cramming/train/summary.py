@@ -9,8 +9,8 @@ from pathlib import Path
 
 from cramming.train.context import USES_CONTEXT_GAIN
 
-# where this repository's own data lives beside a checkout (the shared GLUE copy of the CPU study)
-LOCAL_GLUE = Path("../shared/data/glue")
+# the project-local GLUE copy that `python scripts/get_data.py glue` writes (docs/evaluation.md)
+LOCAL_GLUE = Path("data/glue")
 
 
 def learned(validation: dict | None, vocab_size: int) -> list[str]:
@@ -49,11 +49,13 @@ def next_commands(name: str, base_dir: str, checkpoint: Path) -> list[str]:
         ["python", "scripts/export_hf.py", name, f"exported/{name}"]
         + ([] if base_dir == "outputs" else ["--base-dir", base_dir])
     )
+    source = (
+        "" if glue else f" (from the hub; offline: eval.glue_dir={LOCAL_GLUE}, from scripts/get_data.py glue)"
+    )
     return [
         "next:",
         f"  {evaluate}",
-        "      fine-tune and score it on GLUE"
-        + ("" if glue else " (from the hub; eval.glue_dir=<folder> for a local copy in GLUE's TSV layout)"),
+        f"      fine-tune and score it on GLUE{source}",
         f"  {export}",
         "      a transformers folder (AutoModelForMaskedLM, trust_remote_code=True)",
         "  python pretrain.py budget=24",

@@ -5,11 +5,11 @@
     python scripts/bench/bench_budget.py --gpu                   # GPU: full shapes (crammed-bert vs bert-base)
 
 Each recipe is an ordinary `python pretrain.py` run (the normal data pipeline and training loop, its budget
-clock, its own masking), one after the other. The data is the shared Wikipedia shards through the `local`
-data config, so both recipes read the same cached rows and the same tokenizer. At the end both final
-checkpoints are scored here on the whole held-out split with one fixed masking, identical for both (the
-same rows, the same seeded masks), at 15% and at 25% masking: the loss each run logs itself uses its own
-recipe's masking and would not compare.
+clock, its own masking), one after the other. The data is two of the CPU study's Wikipedia shards (--files;
+python scripts/get_data.py wikipedia makes them) through the `local` data config, so both recipes read the
+same cached rows and the same tokenizer. At the end both final checkpoints are scored here on the whole
+held-out split with one fixed masking, identical for both (the same rows, the same seeded masks), at 15% and
+at 25% masking: the loss each run logs itself uses its own recipe's masking and would not compare.
 
 Recipes:
 - crammed: `arch=tiny` (the crammed design: pre-LN, gated GELU, no biases, sparse prediction) with the
@@ -37,7 +37,8 @@ import numpy as np
 import torch
 
 REPO = Path(__file__).resolve().parents[2]
-WIKI = "../shared/data/wikipedia-en-2015/train-0000[01]-of-00012.jsonl.gz"
+# the first two shards of the CPU study's Wikipedia data (python scripts/get_data.py wikipedia)
+WIKI = "data/wikipedia/train-0000[01]-of-00012.jsonl.gz"
 
 CPU_SHAPE = ["arch.num_layers=2", "arch.hidden_size=64", "arch.num_heads=2", "arch.intermediate_size=256"]
 RECIPES = {
