@@ -1,6 +1,6 @@
 """Seconds per fine-tuning update of each optimizer on one checkpoint, measured side by side in one process.
 
-    python scripts/bench/bench_finetune_optim.py --checkpoint cpu-study-tiny-60min-fast \
+    python scripts/bench/bench_finetune_optim.py --checkpoint <run> \
         adamw adamw_8bit adamw_4bit "galore_adamw rank=8 scale=4" "galore_adamw_8bit_layerwise rank=8"
 
 Each row is an optimizer name with optional `key=value` settings of eval.optim (glue-small's are the
@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> None:
         "rows", nargs="+", help='an optimizer name, with settings: "galore_adamw rank=8 scale=4"'
     )
     parser.add_argument("--checkpoint", required=True, help="a pretraining run name or folder")
-    parser.add_argument("--glue-dir", type=Path, default=Path("../shared/data/glue"))
+    parser.add_argument("--glue-dir", type=Path, default=Path("data/glue"), help="scripts/get_data.py glue")
     parser.add_argument("--eval", default="glue-small", help="lr and batch size of this recipe (glue-small)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--steps", type=int, default=10, help="updates per row per round")
