@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +17,7 @@ from cramming.data import SPECIAL_TOKENS, load_pretraining_data, prepare_pretrai
 from cramming.data import pipeline as pipeline_module
 from cramming.data.config import NormalizerConfig, SourceConfig, TokenizerConfig
 from cramming.data.pipeline import cache_dir_for, join_with_separator
+from cramming.data.sources import FILE_HASHES
 from cramming.data.tokenizer import build_normalizer, train_tokenizer
 from cramming.errors import ConfigError, DataSourceError
 
@@ -398,6 +401,30 @@ def test_cache_is_reused_and_invalidated(tmp_path, corpus, data_config, caplog, 
     assert cache_dir_for(cfg, tmp_path / "cache") != first.path
 
 
+def test_a_copied_corpus_finds_its_cache_and_a_changed_byte_does_not(
+    tmp_path, corpus, data_config, caplog, monkeypatch
+):
+    first = prepare_pretraining_data(data_config(corpus), tmp_path / "cache")
+    copy = tmp_path / "another" / "machine"
+    shutil.copytree(corpus, copy, copy_function=shutil.copyfile)  # new modification times
+    assert os.stat(copy / "wiki.jsonl").st_mtime_ns != os.stat(corpus / "wiki.jsonl").st_mtime_ns
+
+    def fail(*args, **kwargs):
+        raise AssertionError("the cached data should have been used")
+
+    with monkeypatch.context() as m, caplog.at_level(logging.INFO, logger="cramming"):
+        m.setattr(pipeline_module, "_build", fail)
+        moved = prepare_pretraining_data(data_config(copy), tmp_path / "cache")
+    assert moved.path == first.path
+    assert "found processed data" in caplog.text and "skipping preprocessing" in caplog.text
+    # one byte of one document changed: another cache
+    path = copy / "wiki.jsonl"
+    content = path.read_bytes()
+    at = content.index(b"e", len(content) // 2)
+    path.write_bytes(content[:at] + b"E" + content[at + 1 :])
+    assert cache_dir_for(data_config(copy), tmp_path / "cache") != first.path
+
+
 def test_interrupted_build_leaves_no_cache(tmp_path, corpus, data_config, monkeypatch):
     cfg = data_config(corpus)
 
@@ -408,7 +435,7 @@ def test_interrupted_build_leaves_no_cache(tmp_path, corpus, data_config, monkey
         m.setattr(pipeline_module, "_pack", crash)
         with pytest.raises(KeyboardInterrupt):
             prepare_pretraining_data(cfg, tmp_path / "cache")
-    assert [p.name for p in (tmp_path / "cache").iterdir() if p.name != "hf"] == []
+    assert [p.name for p in (tmp_path / "cache").iterdir() if p.name not in ("hf", FILE_HASHES)] == []
     data = prepare_pretraining_data(cfg, tmp_path / "cache")  # and a later run builds it cleanly
     assert len(data.train) > 0
 

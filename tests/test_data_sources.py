@@ -97,6 +97,81 @@ def test_fingerprint_changes_with_file_content(tmp_path, wiki_texts):
     assert source_fingerprint(cfg) != before
 
 
+def _corpus(folder, texts_per_file: dict[str, list[str]]) -> SourceConfig:
+    folder.mkdir(parents=True)
+    for name, texts in texts_per_file.items():
+        _write_jsonl(folder / name, texts)
+    return SourceConfig(kind="local", files=str(folder))
+
+
+def _later(path, seconds: int = 3600) -> None:
+    """Move a file's modification time `seconds` on, as a copy made later would have it."""
+    stat = os.stat(path)
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + seconds * 10**9))
+
+
+TEXTS = {
+    "a.jsonl": ["The first file's text, about rivers."] * 3,
+    "b.jsonl": ["The second one, about hills."] * 2,
+}
+
+
+def test_fingerprint_is_the_content_not_the_path_nor_the_time(tmp_path):
+    original = _corpus(tmp_path / "here", TEXTS)
+    cache = tmp_path / "cache"
+    before = source_fingerprint(original, cache)
+    assert str(tmp_path) not in before
+    copy = _corpus(tmp_path / "copied" / "elsewhere", TEXTS)  # another path, written later
+    _later(tmp_path / "copied" / "elsewhere" / "a.jsonl")
+    assert source_fingerprint(copy, cache) == before
+    assert source_fingerprint(copy) == before  # the same without the index of known hashes
+
+
+def test_fingerprint_changes_with_one_byte_even_at_the_same_size_and_time(tmp_path):
+    cfg = _corpus(tmp_path / "corpus", TEXTS)
+    cache = tmp_path / "cache"
+    before = source_fingerprint(cfg, cache)
+    path = tmp_path / "corpus" / "b.jsonl"
+    stat = os.stat(path)
+    path.write_bytes(path.read_bytes().replace(b"hills", b"hilts", 1))
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))  # the modification time put back
+    assert os.stat(path).st_size == stat.st_size
+    assert source_fingerprint(cfg, cache) != before
+
+
+def test_fingerprint_follows_the_order_files_are_read_in(tmp_path):
+    cache = tmp_path / "cache"
+    one = source_fingerprint(_corpus(tmp_path / "one", TEXTS), cache)
+    swapped = {"a.jsonl": TEXTS["b.jsonl"], "b.jsonl": TEXTS["a.jsonl"]}
+    assert source_fingerprint(_corpus(tmp_path / "two", swapped), cache) != one
+    # a file of 0 bytes is left out when read, so also from the fingerprint
+    (tmp_path / "one" / "empty.jsonl").write_bytes(b"")
+    assert source_fingerprint(SourceConfig(kind="local", files=str(tmp_path / "one")), cache) == one
+
+
+def test_unchanged_files_are_not_read_again(tmp_path, monkeypatch):
+    from cramming.data import sources
+
+    cfg = _corpus(tmp_path / "corpus", TEXTS)
+    cache = tmp_path / "cache"
+    hashed = []
+    real = sources.file_sha256
+    monkeypatch.setattr(
+        sources, "file_sha256", lambda path: hashed.append(os.path.basename(path)) or real(path)
+    )
+    first = source_fingerprint(cfg, cache)
+    assert sorted(hashed) == ["a.jsonl", "b.jsonl"]
+    assert (cache / sources.FILE_HASHES).exists()
+    hashed.clear()
+    assert source_fingerprint(cfg, cache) == first and hashed == []
+    _later(tmp_path / "corpus" / "a.jsonl")  # touched, not changed: read once more, same fingerprint
+    assert source_fingerprint(cfg, cache) == first and hashed == ["a.jsonl"]
+    # a damaged index is only a shortcut lost
+    (cache / sources.FILE_HASHES).write_text("{not json")
+    hashed.clear()
+    assert source_fingerprint(cfg, cache) == first and sorted(hashed) == ["a.jsonl", "b.jsonl"]
+
+
 def test_embedded_corpus_is_real_english_prose():
     docs = list(embedded.iter_stdlib_docs())
     text = " ".join(d["text"] for d in docs)

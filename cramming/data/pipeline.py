@@ -7,7 +7,7 @@
 
 The result (Arrow via `datasets`), the tokenizer and the resolved data config are saved together in
 `{cache_root}/{name}-{hash}`, where the hash covers the resolved data config and the fingerprints of the
-sources. A second run with the same config finds the folder and skips all of it. The folder is built under a
+sources (for local files: a hash of their bytes, not their paths or times). A second run with the same config finds the folder and skips all of it. The folder is built under a
 temporary name and renamed when complete, so an interrupted run never leaves a half-written cache behind.
 """
 
@@ -33,7 +33,7 @@ from tokenizers import Tokenizer
 
 from cramming.data.config import DataConfig
 from cramming.data.ordering import ORDERINGS
-from cramming.data.sources import load_source, source_fingerprint
+from cramming.data.sources import fingerprinted_fields, load_source, source_fingerprint
 from cramming.data.tokenizer import SpecialTokens, build_normalizer, train_tokenizer
 from cramming.errors import DataSourceError
 from cramming.utils import process_alive
@@ -94,22 +94,27 @@ def _rows_sample_sha256(rows: datasets.Dataset) -> str:
     return hashlib.sha256(np.ascontiguousarray(sample, dtype=np.int64).tobytes()).hexdigest()
 
 
-def cache_key(cfg: DataConfig) -> str:
-    """Hash of everything that decides the processed data: the config (without its label) and the sources."""
+def cache_key(cfg: DataConfig, cache_root: str | os.PathLike | None = None) -> str:
+    """Hash of everything that decides the processed data: the config (without its label, and without the
+    paths of local files: their content stands for them) and the sources' fingerprints. `cache_root` keeps
+    the hashes of local files, so that unchanged files are not read again."""
     resolved = asdict(cfg)
     resolved.pop("name")
     if resolved.get("row_start") == "none":  # added later: the caches made before it keep their names
         resolved.pop("row_start")
+    for name, src in cfg.sources.items():
+        for key in fingerprinted_fields(src):
+            resolved["sources"][name].pop(key)
     payload = {
         "pipeline_version": PIPELINE_VERSION,
         "config": resolved,
-        "sources": {name: source_fingerprint(src) for name, src in cfg.sources.items()},
+        "sources": {name: source_fingerprint(src, cache_root) for name, src in cfg.sources.items()},
     }
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 
 def cache_dir_for(cfg: DataConfig, cache_root: str | os.PathLike) -> Path:
-    return Path(cache_root) / f"{cfg.name}-{cache_key(cfg)}"
+    return Path(cache_root) / f"{cfg.name}-{cache_key(cfg, cache_root)}"
 
 
 def prepare_pretraining_data(

@@ -1,8 +1,8 @@
 """Read raw text from the hub, from local files or from the embedded corpus into one `datasets.Dataset`.
 
 Every source ends up as a Dataset with a single string column `text`. Each source also has a fingerprint:
-what its content depends on besides the config (file sizes and times, the Python version), so that changed
-files make a new cache even when the config is the same. SourceConfig, the schema of one
+what its content depends on besides the config (the local files' bytes, the Python version), so that changed
+files make a new cache even when the config is the same, and the same files at another path find theirs. SourceConfig, the schema of one
 `data.sources.<name>` entry, lives here beside SOURCE_KINDS and TXT_UNITS, the names it accepts.
 """
 
@@ -11,6 +11,8 @@ from __future__ import annotations
 import codecs
 import glob
 import gzip
+import hashlib
+import json
 import logging
 import os
 import zlib
@@ -21,7 +23,8 @@ from pathlib import Path
 import datasets
 
 from cramming.data import embedded
-from cramming.errors import DataSourceError, check_choice, config_error
+from cramming.errors import DataSourceError, WriteFailed, check_choice, config_error
+from cramming.utils import atomic_write_text
 
 log = logging.getLogger("cramming")
 
@@ -113,16 +116,84 @@ def resolve_local_files(pattern: str) -> list[str]:
     return files
 
 
-def _local_fingerprint(cfg: SourceConfig) -> str:
-    stats = [(p, os.stat(p).st_size, os.stat(p).st_mtime_ns) for p in resolve_local_files(cfg.files)]
-    return repr(stats)
+# In the data cache root: the SHA-256 of each local file hashed so far, with the size and times it had then. A
+# file whose size and times are unchanged is not read again; the hash alone decides the cache.
+FILE_HASHES = ".file_hashes.json"
+# Log the hashing when at least this much is to be read (a multi-GB corpus takes seconds per GB, once).
+HASH_LOG_BYTES = 256 << 20
 
 
-def _hub_fingerprint(cfg: SourceConfig) -> str:
+def file_sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    buffer = bytearray(1 << 20)
+    view = memoryview(buffer)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buffer):
+            digest.update(view[:n])
+    return digest.hexdigest()
+
+
+def _stat_key(path: str) -> list[int]:
+    """What says a file is unchanged since it was hashed: its size, modification and change times (the change
+    time moves with any write, even one that puts the modification time back)."""
+    stat = os.stat(path)
+    return [stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns]
+
+
+def _read_hashes(index: Path) -> dict[str, dict]:
+    try:
+        known = json.loads(index.read_text())
+    except (OSError, ValueError):  # none yet, or damaged: it is only a shortcut
+        return {}
+    return known if isinstance(known, dict) else {}
+
+
+def content_hashes(files: list[str], cache_root: str | os.PathLike | None = None) -> list[str]:
+    """The SHA-256 of each file's bytes. With a cache root, a file whose size and times are those its
+    FILE_HASHES index recorded keeps its recorded hash; the files hashed anew are added to the index."""
+    index = Path(cache_root) / FILE_HASHES if cache_root is not None else None
+    known = _read_hashes(index) if index is not None else {}
+    stats = {path: _stat_key(path) for path in files}
+
+    def recorded(path: str) -> str | None:
+        entry = known.get(os.path.abspath(path))
+        if not isinstance(entry, dict) or entry.get("stat") != stats[path]:
+            return None
+        return entry.get("sha256") if isinstance(entry.get("sha256"), str) else None
+
+    hashes = {path: recorded(path) for path in files}
+    todo = [path for path, digest in hashes.items() if digest is None]
+    size = sum(stats[path][0] for path in todo)
+    if size >= HASH_LOG_BYTES:
+        log.info("hashing %d file(s), %.1f GB, to find their processed data (once)", len(todo), size / 1e9)
+    fresh = {}
+    for path in todo:
+        hashes[path] = file_sha256(path)
+        fresh[os.path.abspath(path)] = {"stat": stats[path], "sha256": hashes[path]}
+    if fresh and index is not None:
+        # merged into the index as it is now (a parallel job may have added files); files gone are forgotten
+        kept = {path: entry for path, entry in _read_hashes(index).items() if os.path.exists(path)}
+        try:
+            atomic_write_text(index, json.dumps(kept | fresh, indent=0))
+        except WriteFailed as err:  # hashed again next time; writing the data folder reports the disk
+            log.debug("the file hashes are not kept: %s", err)
+    return [hashes[path] for path in files]
+
+
+def _local_fingerprint(cfg: SourceConfig, cache_root: str | os.PathLike | None) -> str:
+    """The files' content in the order they are read, each with the reader its ending chooses: not their paths
+    nor their times, so the same files copied elsewhere find their cache and a changed byte does not. Empty
+    files are left out, as they are when read."""
+    files = [path for path in resolve_local_files(cfg.files) if os.path.getsize(path) > 0]
+    hashes = content_hashes(files, cache_root)
+    return json.dumps([[_format_of(path), digest] for path, digest in zip(files, hashes, strict=True)])
+
+
+def _hub_fingerprint(cfg: SourceConfig, cache_root: str | os.PathLike | None) -> str:
     return f"hub:{cfg.path}:{cfg.subset}:{cfg.split}:{cfg.revision}"
 
 
-def _embedded_fingerprint(cfg: SourceConfig) -> str:
+def _embedded_fingerprint(cfg: SourceConfig, cache_root: str | os.PathLike | None) -> str:
     return embedded.fingerprint()
 
 
@@ -312,14 +383,18 @@ class SourceKind:
     """How one kind of source is read, and what its content depends on beyond its config."""
 
     load: Callable[[SourceConfig, Path], datasets.Dataset]
-    # no network needed: file sizes and times, a hub revision, the Python version
-    fingerprint: Callable[[SourceConfig], str]
+    # no network needed: the files' content, a hub revision, the Python version; given the data cache root,
+    # where local files keep their hashes
+    fingerprint: Callable[[SourceConfig, str | os.PathLike | None], str]
+    # the config fields the fingerprint stands for in the cache key (a local source's path: a copy elsewhere
+    # is the same data)
+    replaced: tuple[str, ...] = ()
 
 
 # data.sources.<name>.kind -> how to read it
 SOURCE_KINDS: dict[str, SourceKind] = {
     "hub": SourceKind(load=_load_hub, fingerprint=_hub_fingerprint),
-    "local": SourceKind(load=_load_local, fingerprint=_local_fingerprint),
+    "local": SourceKind(load=_load_local, fingerprint=_local_fingerprint, replaced=("files",)),
     "embedded": SourceKind(load=_load_embedded, fingerprint=_embedded_fingerprint),
 }
 
@@ -329,9 +404,15 @@ def _kind_of(cfg: SourceConfig) -> SourceKind:
     return SOURCE_KINDS[cfg.kind]
 
 
-def source_fingerprint(cfg: SourceConfig) -> str:
-    """What the source's content depends on beyond its config (no network needed)."""
-    return _kind_of(cfg).fingerprint(cfg)
+def source_fingerprint(cfg: SourceConfig, cache_root: str | os.PathLike | None = None) -> str:
+    """What the source's content depends on beyond its config (no network needed). `cache_root`: the data
+    cache root, where the hashes of local files are kept so that unchanged files are not read again."""
+    return _kind_of(cfg).fingerprint(cfg, cache_root)
+
+
+def fingerprinted_fields(cfg: SourceConfig) -> tuple[str, ...]:
+    """The fields of the source's config that its fingerprint stands for, left out of the cache key."""
+    return _kind_of(cfg).replaced
 
 
 def load_source(cfg: SourceConfig, hf_cache: Path) -> datasets.Dataset:
