@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 
@@ -27,14 +28,54 @@ class KernelUnavailableError(RuntimeError):
     """A Triton kernel was requested with impl.strict_kernels=true but cannot launch here."""
 
 
-class RunStopped(Exception):
+class RunStopped(KeyboardInterrupt):
     """A job stopped by a signal after keeping what it had (pretraining: a resumable state; evaluation: the
-    finished runs). The entry point ends with cramming.job.exits.end_stopped."""
+    finished runs). The entry point ends with cramming.job.exits.end_stopped.
+
+    It derives from KeyboardInterrupt, not Exception. During preprocessing it is raised wherever the signal
+    lands, often inside a library, and libraries handle an error (`except Exception`) otherwise than an
+    interruption: they wrap an error in their own (`datasets`: "An error occurred while generating the
+    dataset", which made a stop a data error) or log it and go on, while an interruption passes through them
+    after their own clean-up (`datasets` deletes its partial cache files, the hub client aborts a download,
+    DataLoader workers exit quietly). A stop is to this program what Ctrl-C is to any Python program,
+    whichever signal it came by. Where one is wrapped all the same, stop_in_chain still finds it.
+    """
 
     def __init__(self, signal_name: str, what: str = "stopped", resumable: bool = True):
         super().__init__(f"{signal_name} received: {what}")
         self.signal_name = signal_name
         self.resumable = resumable  # False: nothing was kept, the same command starts again
+
+
+def stop_in_chain(err: BaseException | None) -> RunStopped | None:
+    """The RunStopped that `err` is, or that caused it (through __cause__ and __context__, and the members of
+    an exception group): a stop that other code wrapped in its own error is still a stop."""
+    seen: set[int] = set()
+    pending = [err]
+    while pending:
+        err = pending.pop()
+        if not isinstance(err, BaseException) or id(err) in seen:
+            continue
+        seen.add(id(err))
+        if isinstance(err, RunStopped):
+            return err
+        pending += [err.__context__, err.__cause__]
+        if isinstance(getattr(err, "exceptions", None), tuple):  # an exception group's members
+            pending += err.exceptions
+    return None
+
+
+@contextmanager
+def stops_unwrapped() -> Iterator[None]:
+    """Around code whose errors are caught broadly and explained (a library's failure to read a file): a stop
+    that the code wrapped in its own error leaves the block as the RunStopped it is, not as that error."""
+    try:
+        yield
+    except Exception as err:
+        stopped = stop_in_chain(err)
+        if stopped is None:
+            raise
+        raise stopped from err
 
 
 def first_line(err: BaseException) -> str:

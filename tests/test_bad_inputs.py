@@ -7,7 +7,8 @@ message naming the input, the problem and the fix, never a traceback, and never 
 have. Each case asserts the exit status, the absence of a traceback and the words that name the problem.
 
 To stay fast, the cases share one tiny pretraining run (the embedded corpus, 3 updates), and the commands that
-need no process of their own run in one (tests/command_runner.py); signals and the full disk get real processes.
+need no process of their own run in one (tests/command_runner.py); signals and the full disk get real processes
+(a stop signal at each phase of preprocessing: one process per case, forked by tests/stop_runner.py).
 """
 
 from __future__ import annotations
@@ -25,7 +26,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import WIKI_SHARD, data_dir
+from conftest import data_dir
+from stop_runner import PHASES as STOP_PHASES
+
+from cramming.data.sources import FILE_HASHES
+from cramming.errors import RunStopped, stop_in_chain
+from cramming.job import exits
+from cramming.signals import STOP_SIGNALS
 
 REPO = Path(__file__).resolve().parent.parent
 PRETRAIN = str(REPO / "pretrain.py")
@@ -305,23 +312,100 @@ def start_pretraining(places: dict, base: Path, *args: str) -> subprocess.Popen:
     )
 
 
-def test_sigterm_while_preprocessing_leaves_an_interrupted_card_and_no_half_built_data(places, tmp_path):
-    shard = data_dir(*WIKI_SHARD)
-    # a real shard preprocesses for many seconds: long enough to be stopped in the middle
-    process = start_pretraining(places, tmp_path, "data=local", f"data.sources.local.files={shard}")
-    deadline = time.monotonic() + 120
-    while not list((tmp_path / "data").glob(".*.building-*")) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert list((tmp_path / "data").glob(".*.building-*")), "preprocessing did not start"
-    time.sleep(1.0)
-    process.send_signal(signal.SIGTERM)
-    output, _ = process.communicate(timeout=120)
+# A stop signal at each phase of preprocessing, landing inside the code that does the phase's work
+# (tests/stop_runner.py patches that code to send the signal itself, so no case depends on timing): the run
+# ends as a stop, 128 + the signal, with an interrupted card and nothing half-built. The `wrapped` cases add a
+# library that turns whatever passes through it into its own error: the stop is still found behind it (by the
+# source reader, and by run_job).
+STOP_CASES = [(f"{phase}-{name}", phase, name, False) for phase in STOP_PHASES for name in STOP_SIGNALS] + [
+    ("read-SIGTERM-wrapped", "read", "SIGTERM", True),
+    ("save-SIGTERM-wrapped", "save", "SIGTERM", True),
+]
+
+
+def write_stop_corpus(path: Path) -> None:
+    """Enough text for a few rows of every split, made up: the tests need no downloaded data."""
+    words = ["river", "hill", "town", "bridge", "market", "winter", "harvest", "road", "forest", "village"]
+    with open(path, "w", encoding="utf-8") as f:
+        for doc in range(200):
+            text = " ".join(words[(doc * 7 + i * i) % len(words)] for i in range(80))
+            f.write(json.dumps({"text": f"Document {doc}. {text}."}) + "\n")
+
+
+@pytest.fixture(scope="module")
+def stops(tmp_path_factory) -> tuple[Path, dict[str, dict]]:
+    """Every case of STOP_CASES, each in a process of its own forked from one that imported everything once."""
+    folder = tmp_path_factory.mktemp("stops")
+    write_stop_corpus(folder / "corpus.jsonl")
+    cases = []
+    for id, phase, name, wrap in STOP_CASES:
+        (folder / id / "tmp").mkdir(parents=True)
+        args = [a.format(base=folder / id / "base") for a in TINY if a != "data=embedded"]
+        argv = [PRETRAIN, *args, "data=local", f"data.sources.local.files={folder / 'corpus.jsonl'}", "dryrun=true"]  # fmt: skip
+        cases.append({"id": id, "phase": phase, "signal": name, "wrap": wrap, "argv": argv, "tmpdir": str(folder / id / "tmp")})  # fmt: skip
+    (folder / "cases.json").write_text(json.dumps(cases))
+    runner = [sys.executable, str(REPO / "tests" / "stop_runner.py"), str(folder / "cases.json"), str(folder / "results.json")]  # fmt: skip
+    done = subprocess.run(runner, cwd=REPO, env=environment(), capture_output=True, text=True, timeout=1200)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return folder, json.loads((folder / "results.json").read_text())
+
+
+@pytest.mark.parametrize(("id", "phase", "name", "wrap"), STOP_CASES, ids=[case[0] for case in STOP_CASES])
+def test_a_stop_signal_at_each_phase_of_preprocessing_stops_the_run_and_keeps_nothing_half_built(
+    id, phase, name, wrap, stops
+):
+    folder, results = stops
     check_outcome(
-        {"code": process.returncode, "output": output}, 128 + signal.SIGTERM, ("SIGTERM", "preprocessing")
+        results[id],
+        128 + signal.Signals[name],
+        (f"sending {name} while {STOP_PHASES[phase]}", f"{name} received", "preprocessing stopped"),
     )
-    assert not list((tmp_path / "data").glob(".*.building-*")), "the half-built data folder was left behind"
-    card = json.loads(next((tmp_path / "default").glob("*/run_card.json")).read_text())
-    assert card["status"] == "interrupted"
+    base = folder / id / "base"
+    card = json.loads(next((base / "default").glob("*/run_card.json")).read_text())
+    assert card["status"] == "interrupted" and name in card["error"]
+    # no processed-data folder, finished or half-built; in the `datasets` cache, no unfinished folder or file
+    assert sorted(p.name for p in (base / "data").iterdir()) <= ["hf", FILE_HASHES]
+    unfinished = [
+        p for p in (base / "data").rglob("*") if p.name.endswith(".incomplete") or p.name.startswith("tmp")
+    ]
+    assert unfinished == [], "unfinished files of `datasets` were left behind"
+    assert list((folder / id / "tmp").iterdir()) == [], "temporary files were left behind"
+
+
+def test_a_stop_wrapped_in_other_errors_is_found_and_ends_as_a_stop():
+    stop = RunStopped("SIGUSR2", "preprocessing stopped; nothing of it is kept", resumable=False)
+    assert isinstance(stop, KeyboardInterrupt) and not isinstance(stop, Exception)
+    assert stop_in_chain(stop) is stop and exits.exit_code(stop) == 128 + signal.SIGUSR2
+    wrapped = RuntimeError("An error occurred while generating the dataset")  # raise ... from the stop
+    wrapped.__cause__ = stop
+    handled = ValueError("could not read 1 json file(s)")  # raised while handling it: only the context
+    handled.__context__ = wrapped
+    assert stop_in_chain(handled) is stop and exits.exit_code(handled) == 128 + signal.SIGUSR2
+
+    class Group(Exception):  # the shape of an exception group (ExceptionGroup, Python 3.11)
+        def __init__(self, exceptions):
+            super().__init__("workers failed")
+            self.exceptions = tuple(exceptions)
+
+    assert stop_in_chain(Group([ValueError("one"), wrapped])) is stop
+    assert stop_in_chain(Group([ValueError("one")])) is None and exits.exit_code(ValueError("bad")) is None
+    cycle = OSError("one")
+    cycle.__context__ = OSError("two")
+    cycle.__context__.__context__ = cycle
+    assert stop_in_chain(cycle) is None
+
+
+def test_a_worker_forked_during_preprocessing_ends_by_the_signal_and_leaves_the_stop_to_its_parent():
+    with exits.stop_at_once("preprocessing"):
+        pid = os.fork()
+        if pid == 0:  # a pool's worker: SIGTERM is what its pool's terminate() sends
+            try:
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(10)
+            finally:
+                os._exit(0)  # not reached: the signal ends the process
+        _, status = os.waitpid(pid, 0)
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGTERM
 
 
 def test_a_build_folder_of_a_dead_process_is_removed_and_a_live_one_kept(tmp_path):

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 
+import datasets
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -16,7 +17,7 @@ import pytest
 from cramming.data import embedded
 from cramming.data.config import SourceConfig
 from cramming.data.sources import OFFLINE_HINT, load_source, resolve_local_files, source_fingerprint
-from cramming.errors import DataSourceError
+from cramming.errors import DataSourceError, RunStopped
 
 
 def _write_jsonl(path, texts, field="text", compress=False):
@@ -170,6 +171,26 @@ def test_unchanged_files_are_not_read_again(tmp_path, monkeypatch):
     (cache / sources.FILE_HASHES).write_text("{not json")
     hashed.clear()
     assert source_fingerprint(cfg, cache) == first and sorted(hashed) == ["a.jsonl", "b.jsonl"]
+
+
+def test_a_stop_wrapped_by_datasets_is_a_stop_not_a_bad_file(tmp_path, monkeypatch):
+    """A stop signal landing while `datasets` reads a file, wrapped in its generation error: the source
+    reader lets the stop through instead of naming the file as unreadable."""
+    (tmp_path / "a.jsonl").write_text('{"text": "fine"}\n')
+    stop = RunStopped("SIGTERM", "preprocessing stopped; nothing of it is kept", resumable=False)
+
+    def interrupted(*args, **kwargs):
+        try:
+            raise stop
+        except BaseException as err:
+            raise datasets.exceptions.DatasetGenerationError("An error occurred while generating") from err
+
+    monkeypatch.setattr(datasets, "load_dataset", interrupted)
+    with pytest.raises(RunStopped) as raised:
+        load_source(SourceConfig(kind="local", files=str(tmp_path)), tmp_path / "hf")
+    assert raised.value is stop
+    with pytest.raises(RunStopped):
+        load_source(SourceConfig(kind="hub", path="some/corpus"), tmp_path / "hf")
 
 
 def test_embedded_corpus_is_real_english_prose():

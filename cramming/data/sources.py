@@ -23,7 +23,7 @@ from pathlib import Path
 import datasets
 
 from cramming.data import embedded
-from cramming.errors import DataSourceError, WriteFailed, check_choice, config_error
+from cramming.errors import DataSourceError, WriteFailed, check_choice, config_error, stops_unwrapped
 from cramming.utils import atomic_write_text
 
 log = logging.getLogger("cramming")
@@ -307,9 +307,10 @@ def _load_local(cfg: SourceConfig, hf_cache: Path) -> datasets.Dataset:
     for builder, group in sorted(by_builder.items()):
         kwargs = {"sample_by": cfg.txt_unit} if builder == "text" else {}
         try:
-            ds = datasets.load_dataset(
-                builder, data_files=group, split="train", cache_dir=str(hf_cache), **kwargs
-            )
+            with stops_unwrapped():  # a stop signal landing inside `datasets` is not a malformed file
+                ds = datasets.load_dataset(
+                    builder, data_files=group, split="train", cache_dir=str(hf_cache), **kwargs
+                )
         except Exception as err:  # a malformed file: find it and say what is wrong with it
             raise _read_error(builder, group, err) from err
         parts.append(_select_text(ds, cfg, f"{builder} file {group[0]}"))
@@ -331,27 +332,28 @@ def _iter_stream(stream: datasets.IterableDataset, field: str, where: str) -> It
 def _load_hub(cfg: SourceConfig, hf_cache: Path) -> datasets.Dataset:
     where = f"hub dataset {cfg.path}" + (f" ({cfg.subset})" if cfg.subset else "")
     try:
-        ds = datasets.load_dataset(
-            cfg.path,
-            cfg.subset,
-            split=cfg.split,
-            streaming=cfg.streaming,
-            revision=cfg.revision,
-            cache_dir=str(hf_cache),
-        )
-        if not cfg.streaming:
-            return _cap(_select_text(ds, cfg, where), cfg.max_entries)
-        if cfg.max_entries is None:
-            log.warning("streaming all of %s: set data.sources.<name>.max_entries to bound it", where)
-        else:
-            ds = ds.take(cfg.max_entries)
-        # materialize the stream as Arrow on disk, so the later steps can memory-map it
-        return datasets.Dataset.from_generator(
-            _iter_stream,
-            gen_kwargs={"stream": ds, "field": cfg.text_field, "where": where},
-            features=TEXT_FEATURES,
-            cache_dir=str(hf_cache),
-        )
+        with stops_unwrapped():  # a stop signal landing inside `datasets` is not a network failure
+            ds = datasets.load_dataset(
+                cfg.path,
+                cfg.subset,
+                split=cfg.split,
+                streaming=cfg.streaming,
+                revision=cfg.revision,
+                cache_dir=str(hf_cache),
+            )
+            if not cfg.streaming:
+                return _cap(_select_text(ds, cfg, where), cfg.max_entries)
+            if cfg.max_entries is None:
+                log.warning("streaming all of %s: set data.sources.<name>.max_entries to bound it", where)
+            else:
+                ds = ds.take(cfg.max_entries)
+            # materialize the stream as Arrow on disk, so the later steps can memory-map it
+            return datasets.Dataset.from_generator(
+                _iter_stream,
+                gen_kwargs={"stream": ds, "field": cfg.text_field, "where": where},
+                features=TEXT_FEATURES,
+                cache_dir=str(hf_cache),
+            )
     except ConnectionError as err:  # also what `datasets` raises in offline mode
         raise DataSourceError(
             f"could not reach the Hugging Face hub for {where}: {err}. {OFFLINE_HINT}"

@@ -8,6 +8,7 @@ traceback; a traceback (exit 1) is kept for what no input explains: a bug.
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
 import threading
@@ -22,11 +23,12 @@ from cramming.errors import (
     RunStopped,
     TrainingDiverged,
     WriteFailed,
+    stop_in_chain,
 )
 from cramming.job.cluster import hand_back_to_launcher
 from cramming.signals import STOP_SIGNALS
 
-__all__ = ["FAILURES", "RunStopped", "end_stopped", "exit_code", "stop_at_once"]
+__all__ = ["FAILURES", "RunStopped", "end_stopped", "exit_code", "stop_at_once", "stop_in_chain"]
 
 log = logging.getLogger("cramming")
 
@@ -49,7 +51,11 @@ FAILURES: tuple[tuple[type[BaseException], int], ...] = (
 
 
 def exit_code(err: BaseException) -> int | None:
-    """The exit status of a failure an input explains, or None for a bug."""
+    """The exit status of a failure an input explains, or None for a bug. A stop that other code wrapped in
+    its own error (a library's "error while generating the dataset") is still a stop: 128 + its signal."""
+    stopped = stop_in_chain(err)
+    if stopped is not None:
+        return SIGNAL_BASE + signal.Signals[stopped.signal_name]
     for kind, code in FAILURES:
         if isinstance(err, kind):
             return code
@@ -60,7 +66,7 @@ def end_stopped(stopped: RunStopped, resume: str) -> NoReturn:
     """Hand a cluster job back to its launcher to be requeued (SIGUSR2 under submitit: it continues from its
     folder), else exit 128 + the signal, saying how to continue."""
     hand_back_to_launcher(stopped.signal_name)
-    log.info("interrupted; continue with: %s", resume)
+    log.info("%s. Interrupted; continue with: %s", stopped, resume)
     sys.exit(SIGNAL_BASE + signal.Signals[stopped.signal_name])
 
 
@@ -68,9 +74,19 @@ def end_stopped(stopped: RunStopped, resume: str) -> NoReturn:
 def stop_at_once(what: str) -> Iterator[None]:
     """For work without a safe point to stop at (preprocessing): a stop signal raises RunStopped where it lands,
     so the work's own clean-up runs (a half-built data folder is removed) and the run card says interrupted.
-    Without this, SIGTERM's default action ends the process before any of that."""
+    Without this, SIGTERM's default action ends the process before any of that.
+
+    A worker process forked meanwhile (`datasets` with num_proc > 1) inherits the handler but not the work's
+    clean-up: there the signal takes its default action and ends the worker (a pool's terminate() ends its
+    workers with SIGTERM), while the process that set the handler, signalled too (Ctrl-C and a cluster's
+    cancel reach every process of the job), stops the work and its pool."""
+    owner = os.getpid()
 
     def handle(signum, frame) -> None:
+        if os.getpid() != owner:
+            signal.signal(signum, signal.SIG_DFL)
+            signal.raise_signal(signum)
+            return
         raise RunStopped(
             signal.Signals(signum).name, f"{what} stopped; nothing of it is kept", resumable=False
         )

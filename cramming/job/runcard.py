@@ -40,7 +40,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from cramming.errors import ConfigError, WriteFailed
+from cramming.errors import ConfigError, WriteFailed, stops_unwrapped
 from cramming.impl import DEVICES, DTYPES, ImplConfig, cpu_bf16_support
 from cramming.job import commandline, exits
 from cramming.utils import atomic_write_text, process_alive, process_rank
@@ -324,7 +324,8 @@ def run_job(task: Callable[[DictConfig, RunCard], float | None], cfg: DictConfig
     card.start_heartbeat()  # stopped by card.end(), however the job ends
     multirun = card.job.get("multirun", False)
     try:
-        objective = task(cfg, card)
+        with stops_unwrapped():  # a stop that a library wrapped in its own error is still a stop
+            objective = task(cfg, card)
     except exits.RunStopped as stopped:
         card.end("interrupted", card.error or str(stopped))
         resume = f"python {kind}.py name={cfg.get('name')} resume=true ..." if stopped.resumable else None
