@@ -1,9 +1,10 @@
 """Shared fixtures: every test is seeded; the real data, found through CRAMMING_DATA.
 
-Tests that want real data (GLUE in its TSV layout, the Wikipedia shards, BLiMP, reference checkpoints) ask
-`data_dir(...)` for it: the folder the environment variable CRAMMING_DATA names holds `glue/`,
-`wikipedia-en-2015/`, `blimp/` and `checkpoints/`. Without it those tests skip, saying so; everything else
-runs on a fresh clone with nothing beside it.
+Tests that want real data ask `data_dir(...)` for it, in the folder the environment variable CRAMMING_DATA
+names: `glue/<task>/train.tsv, dev.tsv, ...` (GLUE's original TSV layout, as `scripts/get_data.py glue`
+writes it), `wikipedia-en-2015/train-000NN-of-00012.jsonl.gz` (the CPU study's shards), `blimp/` and
+`checkpoints/`. Without it those tests skip, saying so; everything else runs on a fresh clone with nothing
+beside it. CI sets it (.ci/run).
 """
 
 from __future__ import annotations
