@@ -1,7 +1,8 @@
 """Experiment trackers (cramming.trackers): the `trackers` key, a tracker that fails costing one warning and
 never the run, and, end to end on CPU, tiny pretrainings whose metrics.jsonl reappears in Weights & Biases
 (offline, read back from its own .wandb file), in MLflow (a real tracking server on 127.0.0.1, queried with
-MlflowClient) and in TensorBoard: params, status, a resume into the same runs, a sweep under one parent run,
+MlflowClient) and in TensorBoard: params, status, a resume into the same runs, a run killed (SIGKILL) and
+resumed logging each update once, an evaluation resumed into its MLflow run, a sweep under one parent run,
 an Optuna search's trials, and an unreachable server."""
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import socket
 import struct
 import subprocess
@@ -67,7 +69,8 @@ class Recording(Tracker):
         super().__init__(settings, info)
         self.logged, self.finished = [], None
         Recording.runs.append(self)
-        self.id = f"run-{len(Recording.runs)}"
+        self.id = info.resumed.get("id") or f"run-{len(Recording.runs)}"
+        self.continued = bool(info.resumed.get("id"))
 
     def saved(self) -> dict:
         return {"id": self.id}
@@ -124,9 +127,11 @@ def test_a_tracker_that_raises_is_dropped_with_one_warning(tmp_path, fakes, capl
     assert healthy.logged[1] == (5, {"update": 5, "loss": 0.2, "anytime/RTE": 0.5})
     assert healthy.finished == ("ok", {"objective": 0.25})
     assert flaky.finished is None  # dropped: never called again
+    # each run id, and the last record its tracker run holds: a dropped tracker's stays, where it stopped
+    progress = session.record_name({"update": 1, "loss": 1.0, "anytime": {}, "charged": False})
     assert json.loads((card.run_dir / session.IDS_FILE).read_text()) == {
-        "recording": {"id": "run-1"},
-        "flaky": {"id": "run-2"},
+        "recording": {"id": "run-1", "logged": {"update": 10, "records": [progress]}},
+        "flaky": {"id": "run-2", "logged": {"update": 1, "records": [progress]}},
     }
 
 
@@ -157,6 +162,68 @@ def test_a_resumed_run_is_handed_the_ids_its_predecessor_saved(tmp_path, fakes):
     third.run_dir.mkdir()
     session.start_trackers(["recording"], TrackingConfig(), third, continues=second.run_dir)
     assert Recording.runs[2].info.resumed == {}
+
+
+def progress(update: int) -> dict:
+    return {"update": update, "loss": 10.0 / update}
+
+
+def test_a_run_resumed_after_a_kill_logs_each_record_once(tmp_path, fakes):
+    """Killed after logging past its last saved state, a run is resumed from that state and computes those
+    records again: its tracker run holds them already, so they are skipped; at the update it got to, only
+    the records it did not log yet (here the final validation) go out."""
+    validation = {"update": 6, "val_loss": 2.5}
+    killed = card_in(tmp_path / "killed")
+    killed.run_dir.mkdir()
+    trackers = session.start_trackers(["recording"], TrackingConfig(), killed)
+    for update in (2, 4, 6):  # saved its state at update 2, killed after logging update 6
+        trackers.log(progress(update))
+    # no card.end: SIGKILL; trackers.json was rewritten at every record
+    resumed = card_in(tmp_path / "resumed")
+    resumed.run_dir.mkdir()
+    trackers = session.start_trackers(["recording"], TrackingConfig(), resumed, continues=killed.run_dir)
+    for record in (progress(4), progress(6), validation, progress(8)):
+        trackers.log(record)
+    first, second = Recording.runs
+    assert second.id == first.id and second.continued
+    steps = [step for step, _ in first.logged + second.logged]
+    assert steps == [2, 4, 6, 6, 8]  # update 6: the progress record once, then the validation
+    assert second.logged[0] == (6, {"update": 6, "val_loss": 2.5})
+    # killed again before it logs anything new, a resume still knows what the tracker run holds
+    again = card_in(tmp_path / "again")
+    again.run_dir.mkdir()
+    trackers = session.start_trackers(["recording"], TrackingConfig(), again, continues=resumed.run_dir)
+    trackers.log(progress(8))
+    trackers.log(progress(10))
+    assert [step for step, _ in Recording.runs[2].logged] == [10]
+    # a tracker that starts a new run (another project, another server) gets every record
+    fresh = card_in(tmp_path / "fresh")
+    fresh.run_dir.mkdir()
+    (killed.run_dir / session.IDS_FILE).write_text(
+        json.dumps({"recording": {"logged": {"update": 6, "records": []}}})
+    )
+    trackers = session.start_trackers(["recording"], TrackingConfig(), fresh, continues=killed.run_dir)
+    trackers.log(progress(4))
+    assert [step for step, _ in Recording.runs[3].logged] == [4]
+
+
+def test_a_record_waiting_to_be_sent_is_not_counted_as_held(tmp_path, fakes, monkeypatch):
+    """A tracker that sends in batches (MLflow) holds only what it sent: a kill loses what waited, and the
+    resumed run logs it again."""
+    sent: list[int] = []
+    monkeypatch.setattr(Recording, "delivered", lambda self: self.logged[-1][0] in sent)
+    killed = card_in(tmp_path / "killed")
+    killed.run_dir.mkdir()
+    trackers = session.start_trackers(["recording"], TrackingConfig(), killed)
+    sent.append(2)
+    for update in (2, 4, 6):  # 4 and 6 still wait to be sent when the run is killed
+        trackers.log(progress(update))
+    resumed = card_in(tmp_path / "resumed")
+    resumed.run_dir.mkdir()
+    trackers = session.start_trackers(["recording"], TrackingConfig(), resumed, continues=killed.run_dir)
+    for update in (2, 4, 6):
+        trackers.log(progress(update))
+    assert [step for step, _ in Recording.runs[1].logged] == [4, 6]
 
 
 @pytest.mark.parametrize(
@@ -230,8 +297,9 @@ def wandb_records(path: Path) -> list:
     return records
 
 
-def written_wandb_records(folder: Path, wait_s: float = 120) -> list:
-    """The records of folder's one offline run, once wandb's service has written them to its last one.
+def written_wandb_records(folder: Path, wait_s: float = 120, until_update: int | None = None) -> list:
+    """The records of folder's one offline run, once wandb's service has written them to its last one (its
+    exit record; for a killed run, which has none, the history row of `until_update`).
 
     `run.finish()` returns when the service has the run's end, not when its writer has flushed the file: on a
     loaded machine the file may still lack every record for a moment (seen in CI: no run record at all).
@@ -241,33 +309,44 @@ def written_wandb_records(folder: Path, wait_s: float = 120) -> list:
     while True:
         records = wandb_records(path) if path.stat().st_size >= WANDB_HEADER else []
         kinds = [record.WhichOneof("record_type") for record in records]
-        if "exit" in kinds or time.monotonic() > deadline:
-            assert "exit" in kinds, (
-                f"{path} lacks the run's exit record after {wait_s:.0f} s; it holds {kinds}"
-            )
+        if until_update is None:
+            done, missing = "exit" in kinds, "the run's exit record"
+        else:
+            done = any(row.get("update") == until_update for row in history_rows(records))
+            missing = f"the history row of update {until_update}"
+        if done or time.monotonic() > deadline:
+            assert done, f"{path} lacks {missing} after {wait_s:.0f} s; it holds {kinds}"
             return records
         time.sleep(0.2)
 
 
-def wandb_run(folder: Path) -> dict:
-    """The offline W&B run in folder/wandb: its id, group and history rows (wandb's own _step etc. left out)."""
-    run, history, summary = None, [], {}
-    for record in written_wandb_records(folder):
-        kind = record.WhichOneof("record_type")
-        if kind == "run":
-            run = record.run
-        elif kind == "history":
+def history_rows(records: list) -> list[dict]:
+    """The history rows of a run's records (wandb's own _step etc. left out)."""
+    rows = []
+    for record in records:
+        if record.WhichOneof("record_type") == "history":
             row = {
                 item.key or "/".join(item.nested_key): json.loads(item.value_json)
                 for item in record.history.item
             }
-            history.append({k: v for k, v in row.items() if not k.startswith("_")})
+            rows.append({k: v for k, v in row.items() if not k.startswith("_")})
+    return rows
+
+
+def wandb_run(folder: Path, until_update: int | None = None) -> dict:
+    """The offline W&B run in folder/wandb: its id, group, history rows and summary."""
+    records = written_wandb_records(folder, until_update=until_update)
+    run, summary = None, {}
+    for record in records:
+        kind = record.WhichOneof("record_type")
+        if kind == "run":
+            run = record.run
         elif kind == "summary":
             summary |= {
                 item.key or "/".join(item.nested_key): json.loads(item.value_json)
                 for item in record.summary.update
             }
-    return {"id": run.run_id, "group": run.run_group, "history": history, "summary": summary}
+    return {"id": run.run_id, "group": run.run_group, "history": history_rows(records), "summary": summary}
 
 
 def test_wandb_offline_run_is_grouped_by_its_sweep(tmp_path, monkeypatch):
@@ -299,11 +378,20 @@ def tiny_pretraining(base_dir: Path, *overrides: str) -> list[str]:
     ]  # fmt: skip
 
 
-def run(command: list[str], base_dir: Path, timeout: float = 600) -> subprocess.CompletedProcess:
+def run_env() -> dict[str, str]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HYDRA_FULL_ERROR": "1", "WANDB_MODE": "offline"}
     env.pop("WANDB_DIR", None)  # the offline runs go into their run folders
     env.pop("MLFLOW_TRACKING_URI", None)
-    return subprocess.run(command, cwd=base_dir, env=env, capture_output=True, text=True, timeout=timeout)
+    # each run starts its own wandb service, as a user's job does: not the one a test of this process started,
+    # which would outlive a killed run and keep its W&B run "in use"
+    env.pop("WANDB_SERVICE", None)
+    return env
+
+
+def run(command: list[str], base_dir: Path, timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        command, cwd=base_dir, env=run_env(), capture_output=True, text=True, timeout=timeout
+    )
 
 
 def metrics(run_dir: Path) -> list[dict]:
@@ -454,6 +542,88 @@ def test_tensorboard_events_hold_metrics_jsonl(tracked):
     ]
 
 
+def kill_past_a_save(process: subprocess.Popen, runs: Path, wait_s: float = 400) -> tuple[Path, int, int]:
+    """SIGKILL a training process at a moment when its W&B run holds updates past its last saved state: (its
+    run folder, the update of that state, the last update it logged). The process is paused (SIGSTOP) while
+    its state, metrics.jsonl and trackers.json are read, so they are what it leaves when it dies; it is killed
+    where its trackers.json has noted the last record it handed to W&B, once W&B has written that record."""
+    from cramming.train.state import StateUnreadable, load_state
+
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        assert process.poll() is None, f"the run ended (exit {process.returncode}) before it could be killed"
+        time.sleep(0.05)
+        found = sorted(runs.glob("*/state.pt"))
+        if not found:
+            continue
+        run_dir = found[-1].parent
+        os.kill(process.pid, signal.SIGSTOP)
+        try:
+            saved = load_state(run_dir / "state.pt")["progress"]["updates"]
+            logged = json.loads((run_dir / session.IDS_FILE).read_text())["wandb"]["logged"]["update"]
+            last = metrics(run_dir)[-1]["update"]
+        except (OSError, ValueError, KeyError, StateUnreadable):  # a line or file half written: look again
+            os.kill(process.pid, signal.SIGCONT)
+            continue
+        if logged == last and logged >= saved + 2:
+            written_wandb_records(run_dir, until_update=logged)  # W&B writes its file every second
+            os.kill(process.pid, signal.SIGKILL)
+            process.wait(timeout=60)
+            return run_dir, saved, logged
+        os.kill(process.pid, signal.SIGCONT)
+    process.kill()
+    raise AssertionError(f"no moment with updates logged past a saved state came within {wait_s:.0f} s")
+
+
+@pytest.mark.slow
+def test_a_run_killed_between_two_saves_and_resumed_logs_each_update_once(mlflow_server, base_dir):
+    """SIGKILL (the out-of-memory killer, a lost node) leaves no chance to save: the run resumes from its last
+    saved state and computes the updates after it again. Its W&B history (read from the offline run files)
+    holds each update once, the ones the killed run logged from that run; MLflow holds each step once."""
+    from mlflow import MlflowClient
+
+    command = tiny_pretraining(
+        base_dir,
+        "name=killed",
+        f"tracking.mlflow_uri={mlflow_server}",
+        "trackers=[wandb,mlflow]",
+        "train.steps=100000",  # killed long before
+        "train.log_every=1",
+        "train.checkpoint_every_min=0.01",  # a state every 0.6 s of training: several updates apart
+    )
+    with open(base_dir / "killed.log", "w") as output:
+        process = subprocess.Popen(
+            command, cwd=base_dir, env=run_env(), stdout=output, stderr=subprocess.STDOUT
+        )
+        try:
+            killed, saved, logged = kill_past_a_save(process, base_dir / "killed")
+        finally:
+            if process.poll() is None:
+                process.kill()
+    first = wandb_run(killed, until_update=logged)  # no exit record: what W&B wrote before the kill
+    assert [row["update"] for row in first["history"]] == list(range(1, logged + 1))
+    final = logged + 3
+    time.sleep(1.1)  # run folders are named by the second
+    done = run([*command, "resume=true", f"train.steps={final}"], base_dir)
+    assert done.returncode == 0, done.stderr[-4000:]
+    (resumed,) = (p for p in (base_dir / "killed").iterdir() if p.is_dir() and p != killed)
+    assert metrics(resumed)[0]["update"] == saved + 1  # it took up the saved state, before what W&B holds
+    second = wandb_run(resumed)
+    assert second["id"] == first["id"]
+    # every update's progress record once: up to the kill from the killed run, then from the resumed one
+    rows = first["history"] + second["history"]
+    assert [row["update"] for row in rows if "loss" in row] == list(range(1, final + 1))
+    assert second["history"] == [numbers(record) for record in metrics(resumed) if record["update"] > logged]
+    assert "val_loss" in second["history"][-1] and second["summary"]["status"] == "ok"
+    # MLflow: the same run, each step once; what the killed run had not sent yet came from the resumed run
+    run_id = json.loads((killed / session.IDS_FILE).read_text())["mlflow"]["run_id"]
+    assert json.loads((resumed / session.IDS_FILE).read_text())["mlflow"]["run_id"] == run_id
+    client = MlflowClient(mlflow_server)
+    steps = [step for step, _ in mlflow_history(client, run_id)["loss"]]
+    assert len(steps) == len(set(steps)) and set(range(saved + 1, final + 1)) <= set(steps)
+    assert client.get_run(run_id).info.status == "FINISHED"
+
+
 @pytest.mark.slow
 def test_sweep_jobs_nest_under_one_parent_run(mlflow_server, base_dir, tracked):
     from mlflow import MlflowClient
@@ -539,3 +709,79 @@ def test_optuna_search_logs_each_trial_and_its_glue_scores(mlflow_server, base_d
         seeds = {run["seed"]: run["metrics"]["RTE"]["accuracy"] for run in results["runs"]}
         assert {logged[f"glue/RTE/seed_{seed}/accuracy"] for seed in seeds} == set(seeds.values())
         assert logged["glue/RTE/accuracy"] == pytest.approx(results["scores"]["RTE"]["median"])
+
+
+@pytest.mark.slow
+def test_an_evaluation_resumed_with_resume_true_appends_to_its_mlflow_run(
+    mlflow_server, base_dir, tracked, glue_dir
+):
+    """Stopped (SIGTERM) after its first fine-tuning run, an evaluation is taken up with resume=true: the same
+    MLflow run, KILLED in between, ends FINISHED and holds the scores of the run the first part fine-tuned
+    and of the one the second part did."""
+    from mlflow import MlflowClient
+
+    checkpoint, _ = tracked
+    command = [
+        sys.executable, str(REPO / "eval.py"), f"checkpoint={checkpoint}", f"base_dir={base_dir}",
+        "name=glue-resumed", f"eval.glue_dir={glue_dir}", "eval.tasks=[RTE]", "eval.seeds=[0,1]", "eval.epochs=1",
+        "eval.max_train_examples=256", "eval.max_eval_examples=32", "impl.device=cpu", "trackers=[mlflow]",
+        f"tracking.mlflow_uri={mlflow_server}",
+    ]  # fmt: skip
+    runs = base_dir / "glue-resumed"
+    with open(base_dir / "glue-resumed.log", "w") as output:
+        process = subprocess.Popen(
+            command, cwd=base_dir, env=run_env(), stdout=output, stderr=subprocess.STDOUT
+        )
+        try:
+            stop_after_the_first_run(process, runs)
+            assert process.wait(timeout=600) == 128 + signal.SIGTERM
+        finally:
+            if process.poll() is None:
+                process.kill()
+    (first,) = runs.iterdir()
+    run_id = json.loads((first / session.IDS_FILE).read_text())["mlflow"]["run_id"]
+    client = MlflowClient(mlflow_server)
+    assert client.get_run(run_id).info.status == "KILLED"
+    time.sleep(1.1)  # run folders are named by the second
+    done = run([*command, "resume=true"], base_dir)
+    assert done.returncode == 0, done.stderr[-4000:]
+    (second,) = (p for p in runs.iterdir() if p != first)
+    assert json.loads((second / session.IDS_FILE).read_text())["mlflow"]["run_id"] == run_id
+    found = client.get_run(run_id)
+    assert found.info.status == "FINISHED" and found.data.tags["cramming.resumed_in"] == str(second)
+    results = json.loads((second / "glue_results.json").read_text())
+    assert [(r["seed"], "reused_from" in r) for r in results["runs"]] == [(0, True), (1, False)]
+    logged = found.data.metrics
+    for part in results["runs"]:  # the first part's run and the second's, in the one MLflow run
+        assert logged[f"glue/RTE/seed_{part['seed']}/accuracy"] == part["metrics"]["RTE"]["accuracy"]
+    assert logged["glue_average"] == pytest.approx(results["glue_average"])
+    # no second run for this evaluation in the experiment
+    experiment = found.info.experiment_id
+    assert [
+        r.info.run_id for r in client.search_runs([experiment], "tags.cramming.run_dir LIKE '%glue-resumed%'")
+    ] == [run_id]
+
+
+def stop_after_the_first_run(process: subprocess.Popen, runs: Path, wait_s: float = 400) -> None:
+    """SIGTERM an evaluation once its first (task, seed) is finished and kept, while the second fine-tunes. It
+    is paused (SIGSTOP) while its kept runs are read, so the signal lands before the second one finishes."""
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        assert process.poll() is None, (
+            f"the evaluation ended (exit {process.returncode}) before it was stopped"
+        )
+        time.sleep(0.02)
+        kept = list(runs.glob("*/glue_runs.json"))
+        if not kept:
+            continue
+        os.kill(process.pid, signal.SIGSTOP)
+        try:
+            finished = len(json.loads(kept[0].read_text())["runs"])
+        except (OSError, ValueError, KeyError):  # being replaced: look again
+            os.kill(process.pid, signal.SIGCONT)
+            continue
+        assert finished == 1, "both fine-tuning runs finished before the evaluation could be stopped"
+        os.kill(process.pid, signal.SIGTERM)
+        os.kill(process.pid, signal.SIGCONT)
+        return
+    raise AssertionError(f"the evaluation kept no finished run within {wait_s:.0f} s")

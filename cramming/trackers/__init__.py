@@ -9,6 +9,8 @@ config.py       the `tracking` settings (TrackingConfig)
 registry.py     the one registry of trackers (name -> class) and the check of the `trackers` list
 base.py         what every tracker is told (RunInfo) and does (Tracker: log, finish)
 tensorboard_tracker.py, wandb_tracker.py, mlflow_tracker.py   the three trackers
-session.py      the trackers of one run: start, log, finish; their run ids beside the run (resume)
 sweep.py        a multirun as one group: the MLflow parent run its jobs nest under
+
+The trackers of one run (start, log, finish; their run ids beside the run, for a resume) are a session of the
+job: cramming.job.trackers.
 """

@@ -38,10 +38,18 @@ class Tracker:
 
     def __init__(self, settings: TrackingConfig, info: RunInfo) -> None:
         self.settings, self.info = settings, info
+        # True when it took up the tracker run of info.resumed (the same run, rather than a new one): records
+        # that run already holds are then not logged again
+        self.continued = False
 
     def saved(self) -> dict:
         """What a resumed run needs to continue this tracker run (its id), written beside the run."""
         return {}
+
+    def delivered(self) -> bool:
+        """Whether every record logged so far is with the tracker (False while some wait to be sent): what a
+        killed run's tracker run holds for sure."""
+        return True
 
     def log(self, values: dict[str, float], step: int) -> None:
         """One metrics record: numbers under their metrics.jsonl names (nested ones joined by '/')."""

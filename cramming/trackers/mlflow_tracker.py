@@ -30,7 +30,7 @@ MAX_PARAM_LENGTH = 6000  # MLflow's limit on a param value
 PARAMS_PER_REQUEST = 100  # and on params per log_batch
 METRICS_PER_REQUEST = 1000  # and on metrics
 # metrics go out at most this often, the records of the interval in one request: a request costs 14 ms for
-# one record and 3.6 ms a record for ten (SQLite store, measured in results/trackers-overhead.md)
+# one record and 3.6 ms a record for ten (SQLite store, measured in results/trackers/)
 FLUSH_SECONDS = 5.0
 # in a multirun's sweep folder: the parent run its jobs nest under
 SWEEP_FILE = "trackers.json"
@@ -88,7 +88,7 @@ class MlflowTracker(Tracker):
         self.last_sent = float("-inf")  # the first record goes out at once
         earlier = info.resumed
         if earlier.get("run_id") and earlier.get("tracking_uri") == self.uri:
-            self.run_id = earlier["run_id"]
+            self.run_id, self.continued = earlier["run_id"], True
             self.client.update_run(self.run_id, status="RUNNING")  # params stay those of its first start
             self.client.set_tag(self.run_id, "cramming.resumed_in", str(info.run_dir))
         else:
@@ -131,6 +131,9 @@ class MlflowTracker(Tracker):
         ]
         if time.monotonic() - self.last_sent >= FLUSH_SECONDS:
             self.send()
+
+    def delivered(self) -> bool:
+        return not self.pending
 
     def send(self) -> None:
         """The metrics logged since the last request, in as few requests as MLflow takes."""

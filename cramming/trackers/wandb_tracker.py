@@ -15,6 +15,10 @@ from cramming.trackers.config import TrackingConfig
 
 log = logging.getLogger("cramming")
 
+# seconds between W&B's writes of a run's .wandb file (its default: 15). A run killed outright (SIGKILL) loses
+# what W&B had not written; the run that resumes it skips every record it had handed over (docs/tracking.md)
+FILE_FLUSH_SECONDS = 1.0
+
 
 class WandbTracker(Tracker):
     name = "wandb"
@@ -29,6 +33,8 @@ class WandbTracker(Tracker):
         import wandb
 
         earlier = info.resumed.get("id") if info.resumed.get("project") == settings.project else None
+        flush = "x_transaction_log_flush_interval"  # an internal setting: where this wandb has it
+        flushing = {flush: FILE_FLUSH_SECONDS} if flush in wandb.Settings.model_fields else {}
         self.run = wandb.init(
             project=settings.project,
             entity=settings.entity,
@@ -44,8 +50,10 @@ class WandbTracker(Tracker):
                 console="off",  # our log lines are in the run folder already; no wrapping of stdout
                 silent=True,
                 init_timeout=settings.timeout_s,
+                **flushing,
             ),
         )
+        self.continued = bool(earlier)
         # a resumed run's config said resume=false: values may change
         config = {**info.config, "run_card": info.provenance, "overrides": info.overrides}
         self.run.config.update(config, allow_val_change=True)
