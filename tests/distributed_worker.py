@@ -4,8 +4,10 @@
 
 SCENARIO: ddp, optimizers, fsdp2, lowbit (AdamW with 32-, 8- and 4-bit moments under FSDP2, and our
 optimizers' states saved in one mode and resumed in the other), galore (the galore_* optimizers under FSDP2),
-layerwise (layerwise optimizers under DDP and FSDP2, 2 micro-batches per update); add `cuda` to run them on
-GPUs (nccl) instead of the CPU (gloo).
+layerwise (layerwise optimizers under DDP and FSDP2, 2 micro-batches per update), from_one (states that one
+process saved, which the test writes under OUT_DIR/runs before the launch, resumed by 2 FSDP2 ranks),
+fsdp2_held (the gradient bytes each FSDP2 rank holds during backward); add `cuda` to run them on GPUs (nccl)
+instead of the CPU (gloo).
 
 Each scenario trains the tiny model of tests/test_train.py with loop.train() and records, per rank, what the
 tests check (progress, stop reason, parameter differences to rank 0 after every update, gradient all-reduces
@@ -51,6 +53,10 @@ GALORE_SETTINGS = ("train.optim.rank=8", "train.optim.update_proj_gap=10")
 RESHARD_OPTIMIZERS = ("adamw_8bit", "adamw_4bit", "galore_adamw", "galore_adafactor")
 # scenario layerwise: under DDP mode and FSDP2, with 2 accumulated global micro-batches per update
 LAYERWISE_OPTIMIZERS = ("adamw_layerwise", "galore_adamw_layerwise", "adamw_8bit_layerwise")
+# scenario from_one: the optimizers whose one-process states 2 FSDP2 ranks resume (as in the test)
+FROM_ONE_OPTIMIZERS = ("adamw", "adamw_4bit")
+# scenario fsdp2_held: blocks enough that the two FSDP2 keeps in flight are a minority of the model's
+HELD_LAYERS = 6
 RANK = int(os.environ["RANK"])
 
 
@@ -180,6 +186,63 @@ def held_gradients(held: list[int]):
     return patched(LeanOptimizer, "_step_layer", make)
 
 
+def tensor_bytes(tensor: torch.Tensor) -> int:
+    """The bytes this rank holds of `tensor`: its local shard of a DTensor."""
+    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+    return local.numel() * local.element_size()
+
+
+def fsdp2_held_gradients(held: list[int]):
+    """At the start and at the end of every FSDP2 module's post-backward (its unsharded gradients complete, and
+    then reduce-scattered): the bytes of gradients this rank holds. They are the shards of the gradients
+    reduced so far (each sharded parameter's .grad), the unsharded gradients autograd has accumulated and FSDP2
+    has not reduced yet, and the reduce-scatter inputs FSDP2 keeps alive for overlap (copies of reduced
+    gradients). FSDP2's own structures are read: while a module is unsharded, its parameters are the unsharded
+    ones, so model.parameters() would count their gradients as shards. (A gradient autograd still sums in its
+    own buffers, as the tied embedding's from the decoder until the embedding's lookup, is not counted.)"""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+    models: list[torch.nn.Module] = []
+
+    def count() -> int:
+        groups = [
+            m._get_fsdp_state()._fsdp_param_group for m in models[-1].modules() if isinstance(m, FSDPModule)
+        ]
+        total = 0
+        for group in groups:
+            for fsdp_param in group.fsdp_params:
+                for param in (fsdp_param.sharded_param, getattr(fsdp_param, "_unsharded_param", None)):
+                    if param is not None and param.grad is not None:
+                        total += tensor_bytes(param.grad)
+        context = groups[0].comm_ctx  # shared by the model's groups
+        kept = getattr(context, "reduce_scatter_states", None) or [
+            getattr(context, "reduce_scatter_state", None)
+        ]
+        return total + sum(tensor_bytes(state.reduce_scatter_input) for state in kept if state is not None)
+
+    def make_shard(shard):
+        def keeping(self, model, dtype):
+            models.append(shard(self, model, dtype))
+            return models[-1]
+
+        return keeping
+
+    def make_post_backward(post_backward):
+        def counted(self, *args):
+            held.append(count())
+            out = post_backward(self, *args)
+            held.append(count())
+            return out
+
+        return counted
+
+    stack = contextlib.ExitStack()
+    stack.enter_context(patched(Parallel, "shard", make_shard))
+    stack.enter_context(patched(FSDPParamGroup, "post_backward", make_post_backward))
+    return stack
+
+
 def summary(result: loop.TrainResult) -> dict:
     return {
         "reason": result.stop_reason,
@@ -250,6 +313,20 @@ def budget_then_resume(
             continue
         results[leg] = summary(resumed)
     return results
+
+
+def resumed_from_one(base: Path, data, optim: str, *overrides: str) -> dict:
+    """The state one process saved under name=from-one-<optim> (2 updates of budget_then_resume's budget run,
+    micro-batch 16 = 2 ranks x 8), resumed with resume=true by 2 FSDP2 ranks on budget_then_resume's clocks."""
+    clock = FakeClock(60.0 if RANK == 0 else 20.0)
+    common = ("budget=0.1", "train.batch_size=32", "train.batch_size_ramp=0", "train.log_every=1")
+    cfg = make_config(
+        base, f"name=from-one-{optim}", "resume=true", "impl.distributed=fsdp2", f"train/optim={optim}", *common,
+        *overrides,
+    )  # fmt: skip
+    with ticking(clock):
+        resumed = loop.train(cfg, data, run_dir(cfg, "2026-01-01_01-00-00"), clock=clock)
+    return summary(resumed)
 
 
 def refused(base: Path, data, *overrides: str) -> str | None:
@@ -329,6 +406,16 @@ def main() -> None:
             overrides = ("name=ddp-held", "train/optim=adamw_layerwise", "train.batch_size=16", LOWBIT_ARCH)
             results["ddp_layerwise_held"] = steps(base, data, *overrides, *cuda)
         results["ddp_layerwise_held"]["most_gradient_bytes"] = max(held)
+    if "from_one" in scenarios:
+        for name in FROM_ONE_OPTIMIZERS:
+            results[f"from_one_{name}"] = resumed_from_one(base, data, name, *cuda)
+    if "fsdp2_held" in scenarios:
+        # one micro-batch per update, as DDP's layerwise check (accumulation keeps every gradient between them)
+        held = []
+        overrides = ("name=fsdp2-held", "train.batch_size=16", LOWBIT_ARCH, f"arch.num_layers={HELD_LAYERS}")
+        with fsdp2_held_gradients(held):
+            results["fsdp2_held"] = steps(base, data, *overrides, "impl.distributed=fsdp2", *cuda)
+        results["fsdp2_held"]["gradient_bytes"] = held
     (out / f"rank{RANK}.json").write_text(json.dumps(results, indent=1))
     shutdown()
 

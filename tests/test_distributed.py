@@ -18,6 +18,7 @@ import json
 import logging
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -410,13 +411,18 @@ def resumed_within_bound(ours: dict, reference: dict, initial: dict, drift: dict
 
 
 @contextlib.contextmanager
-def ticking_clock() -> Iterator[FakeClock]:
-    """A FakeClock advanced by 60 s every micro-batch of the loop: rank 0's clock in the worker's budget runs."""
+def ticking_clock(signal_at: int | None = None) -> Iterator[FakeClock]:
+    """A FakeClock advanced by 60 s every micro-batch of the loop: rank 0's clock in the worker's budget runs.
+    signal_at: SIGINT this process during that micro-batch, as the worker's rank 1 does."""
     clock = FakeClock(60.0)
     original = loop.forward_backward
+    calls = [0]
 
     def timed(run, input_ids, loss_scale):
+        calls[0] += 1
         clock.now += clock.tick
+        if calls[0] == signal_at:
+            os.kill(os.getpid(), signal.SIGINT)
         return original(run, input_ids, loss_scale)
 
     with pytest.MonkeyPatch.context() as patch:
@@ -733,3 +739,79 @@ def test_layerwise_under_ddp_never_holds_all_gradients(launched_layerwise, tmp_p
         most = run["most_gradient_bytes"]  # before each step, over every parameter
         print(f"at most {most / all_bytes:.1%} of the model's gradient bytes held at once")
         assert most < all_bytes, (most, all_bytes)
+
+
+# --------------------------------------- one process's state resumed by 2 FSDP2 ranks (scenario from_one)
+
+FROM_ONE_OPTIMIZERS = ("adamw", "adamw_4bit")  # as in the worker
+HELD_LAYERS = 6  # the worker's fsdp2_held model: LOWBIT_ARCH with this many blocks
+
+
+@pytest.fixture(scope="module")
+def launched_from_one(tmp_path_factory) -> list[dict]:
+    """One process's budget runs (the worker's budget_then_resume settings, micro-batch 16 = 2 ranks x 8),
+    stopped by SIGINT during their 4th micro-batch after 2 updates; then one launch of the worker's from_one
+    scenario, which resumes them on 2 FSDP2 ranks, and of its fsdp2_held scenario."""
+    out = tmp_path_factory.mktemp("torchrun-from-one")
+    for optim in FROM_ONE_OPTIMIZERS:
+        cfg = make_config(out / "runs", f"name=from-one-{optim}", *budget_run_settings(optim))
+        with ticking_clock(signal_at=4) as clock:
+            stopped = loop.train(cfg, synthetic_data(out / "runs"), run_dir(cfg), clock=clock)
+        assert stopped.stop_reason == "SIGINT" and stopped.progress.updates == 2
+    return torchrun(out, "from_one", "fsdp2_held")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("optim", FROM_ONE_OPTIMIZERS)
+def test_a_state_of_one_process_resumes_on_two_fsdp2_ranks(launched_from_one, tmp_path, optim):
+    """The state a single-process run saved (whole tensors) is cut into 2 FSDP2 ranks' shards, and the run
+    continues to what one process would have reached without the stop: within the rounding tolerance of the
+    other resume tests (cutting whole tensors, 4-bit blocks included, moves each value exactly)."""
+    cfg = make_config(tmp_path, f"name=single-budget-{optim}", *budget_run_settings(optim))
+    with ticking_clock() as clock:
+        reference = loop.train(cfg, synthetic_data(tmp_path), run_dir(cfg), clock=clock)
+    for record in launched_from_one:
+        resumed = record[f"from_one_{optim}"]
+        assert resumed["reason"] == reference.stop_reason == "budget"
+        assert resumed["progress"] == vars(reference.progress)  # (7, 3): 2 updates before the stop, 1 after
+        assert resumed["elapsed"] == pytest.approx(reference.elapsed)  # the saved 240 s counted on
+    resumed = launched_from_one[0][f"from_one_{optim}"]
+    assert [r["update"] for r in read_metrics(Path(resumed["run_dir"])) if "loss" in r] == [3]
+    ours, theirs = final_weights(resumed["checkpoint"]), final_weights(reference.checkpoint)
+    resumed_within_bound(ours, theirs, initial_weights(tmp_path, ()), None, f"{optim} 1 -> 2 FSDP2")
+
+
+def padded_bytes(params) -> int:
+    """The bytes of these parameters' gradients as FSDP2 lays them out on 2 ranks: dim 0 padded to a multiple
+    of 2 (a 0-dim parameter becomes a 1-element vector first)."""
+    total = 0
+    for param in params:
+        rows = param.shape[0] if param.ndim else 1
+        total += -(-rows // 2) * 2 * (param.numel() // rows) * param.element_size()
+    return total
+
+
+@pytest.mark.slow
+def test_fsdp2_never_holds_all_gradients(launched_from_one, tmp_path):
+    """What FSDP2 lets a rank hold at once: its shard of every gradient; the root module's unsharded gradients
+    (the root, with the word embedding tied with the decoder, is reduced last); those of the block being
+    reduced; and one earlier block's reduce-scatter input, which FSDP2 keeps for overlap
+    (reduce_scatter_max_input_buffers, 1 by default). A model with every gradient unsharded at once, or
+    replicated, would be over it: the bound is below all of the model's gradient bytes."""
+    cfg = make_config(tmp_path, LOWBIT_ARCH, f"arch.num_layers={HELD_LAYERS}")
+    model = build_model(cfg.arch, single_vocab(tmp_path))
+    all_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    blocks = [padded_bytes(block.parameters()) for block in model.encoder.blocks]
+    in_blocks = {id(p) for p in model.encoder.blocks.parameters()}
+    root = padded_bytes(p for p in model.parameters() if id(p) not in in_blocks)
+    bound = (sum(blocks) + root) // 2 + root + 2 * max(blocks)
+    assert bound < all_bytes  # the model is deep enough for the bound to say something
+    for rank, record in enumerate(launched_from_one):
+        run = record["fsdp2_held"]  # one micro-batch per update
+        assert run["progress"]["updates"] == 4 and run["differences"] == [0.0] * 4
+        held = run["gradient_bytes"]  # at the start and end of each module's post-backward
+        assert len(held) == 2 * (HELD_LAYERS + 1) * 4, len(held)
+        print(
+            f"rank {rank}: at most {max(held) / all_bytes:.1%} of the gradient bytes (bound {bound / all_bytes:.1%})"
+        )
+        assert max(held) <= bound, (max(held), bound, all_bytes)
