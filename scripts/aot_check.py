@@ -535,7 +535,7 @@ def gpu_comparison(aot: list[Result]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -557,6 +557,29 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.subset:
         args.targets, args.dtypes = list(SUBSET["targets"]), list(SUBSET["dtypes"])
+    return args
+
+
+def print_progress(r: Result) -> None:
+    """One line per distinct compile, as it finishes."""
+    status = r.error or f"{r.registers} regs, spill {r.spill_stores}/{r.spill_loads} B, {r.shared} B shared"
+    print(
+        f"sm_{r.target} {r.dtype} {r.kernel} [{r.shape}] {r.tiles}: {status} ({r.seconds or 0:.1f} s)",
+        flush=True,
+    )
+
+
+def write_report(text: str, out: str) -> None:
+    if out == "-":
+        print(text)
+    else:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(text)
+        print(f"wrote {out}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
 
     # A compile found in Triton's cache runs no ptxas, so no report: compile into a fresh cache. The
     # interpreter would replace the kernels by Python functions that cannot be compiled.
@@ -567,20 +590,9 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import triton
 
-    def progress(r: Result) -> None:
-        if not args.quiet:
-            status = (
-                r.error
-                or f"{r.registers} regs, spill {r.spill_stores}/{r.spill_loads} B, {r.shared} B shared"
-            )
-            print(
-                f"sm_{r.target} {r.dtype} {r.kernel} [{r.shape}] {r.tiles}: {status} ({r.seconds or 0:.1f} s)",
-                flush=True,
-            )
-
     start = time.perf_counter()
     with cache:
-        results = run(args.kernels, args.targets, args.dtypes, progress)
+        results = run(args.kernels, args.targets, args.dtypes, None if args.quiet else print_progress)
         wall = time.perf_counter() - start
         comparison = gpu_comparison(results) if args.compare_gpu else ""
     command = "python scripts/aot_check.py " + " ".join(argv if argv is not None else sys.argv[1:])
@@ -588,12 +600,7 @@ def main(argv: list[str] | None = None) -> int:
     text = markdown(results, command.strip(), versions, wall)
     if comparison:
         text += "\n" + comparison
-    if args.out == "-":
-        print(text)
-    else:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(text)
-        print(f"wrote {args.out}")
+    write_report(text, args.out)
     bad = [r for r in results if not r.ok]
     print(f"{len(bad)} of {len(results)} rows spill, exceed shared memory or fail")
     return 1 if bad else 0

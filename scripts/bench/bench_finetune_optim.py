@@ -20,6 +20,7 @@ import argparse
 import copy
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -51,7 +52,7 @@ def parse_row(text: str, base: OptimConfig) -> tuple[str, OptimConfig]:
     return text, replace(base, name=name, **settings)
 
 
-def main(argv: list[str] | None = None) -> None:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -65,21 +66,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=10, help="updates per row per round")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--precision", default="auto", help="impl.precision: auto, fp32, bf16")
-    args = parser.parse_args(argv)
-    torch.set_num_threads(args.threads)
+    return parser.parse_args(argv)
 
-    recipe = EvalConfig(optim=replace(EvalConfig().optim, lr=1e-3), batch_size=32)  # glue-small's settings
-    impl = ImplConfig(device="cpu", precision=args.precision)
-    device = impl.torch_device()
-    dtype, why = impl.precision_choice(device)
-    backbone = checkpoint_backbone(args.checkpoint, impl)
-    task = GLUE_TASKS["MRPC"]
-    train = encode(load_local(task, args.glue_dir)["train"], backbone.tokenizer, 128, None, 0)
-    rng = np.random.default_rng(0)
-    batches = [rng.choice(len(train), recipe.batch_size, replace=False) for _ in range(args.steps)]
 
+def build_rows(texts: list[str], recipe: EvalConfig, backbone, task, device, dtype) -> dict[str, dict]:
+    """Per row: its own copy of the encoder with the classification head, its optimizer and training step."""
     rows = {}
-    for text in args.rows:
+    for text in texts:
         label, cfg = parse_row(text, recipe.optim)
         torch.manual_seed(0)
         model = SequenceClassifier(
@@ -92,20 +85,12 @@ def main(argv: list[str] | None = None) -> None:
         optimizer = build_optimizer(model, cfg, scope="row")
         step = TrainStep(model, optimizer, device_type=device.type, dtype=dtype, grad_clip=None)
         rows[label] = {"model": model, "step": step, "cfg": cfg, "times": []}
+    return rows
 
-    def update(row: dict, index: np.ndarray) -> None:
-        batch = padded_batch(train, index, backbone.pad_id, device)
-        row["step"].begin(1.0)
-        with row["step"].autocast():
-            logits = row["model"](batch["input_ids"], batch["attention_mask"], batch["token_type_ids"])
-        loss = task_loss(logits, batch["labels"], task.is_regression)
-        row["step"].backward(loss)
-        row["step"].apply(loss.detach())
 
-    for row in rows.values():  # a warm-up (GaLore: its first SVDs)
-        for index in batches[:3]:
-            update(row, index)
-    for round_number in range(args.rounds):
+def time_rounds(rows: dict[str, dict], batches: list, rounds: int, update: Callable) -> None:
+    """Each row's seconds per update in each round, appended to its "times"; who goes first rotates."""
+    for round_number in range(rounds):
         order = list(rows.values())
         order = (
             order[round_number % len(order) :] + order[: round_number % len(order)]
@@ -116,7 +101,10 @@ def main(argv: list[str] | None = None) -> None:
                 update(row, index)
             row["times"].append((time.perf_counter() - start) / len(batches))
 
-    for row in rows.values():  # GaLore: updates that take new projectors (the SVDs), after the warm-up
+
+def time_refreshes(rows: dict[str, dict], batches: list, update: Callable) -> None:
+    """GaLore: updates that take new projectors (the SVDs), after the warm-up, into each row's "svd"."""
+    for row in rows.values():
         gap = row["cfg"].update_proj_gap
         row["svd"] = []
         if not row["cfg"].name.startswith("galore"):
@@ -128,10 +116,12 @@ def main(argv: list[str] | None = None) -> None:
             update(row, index)
             row["svd"].append(time.perf_counter() - start)
 
+
+def print_table(rows: dict[str, dict], args: argparse.Namespace, batch_size: int, dtype, why: str) -> None:
     reference = next(iter(rows.values()))
     print(f"# Fine-tuning update time per optimizer: {args.checkpoint}\n")
     print(
-        f"MRPC batches of {recipe.batch_size}, {args.threads} thread(s), precision {str(dtype).removeprefix('torch.')}"
+        f"MRPC batches of {batch_size}, {args.threads} thread(s), precision {str(dtype).removeprefix('torch.')}"
         f" ({why}); {args.rounds} rounds of {args.steps} updates per row, rows interleaved.\n"
     )
     print("| optimizer | ms/update (median of rounds) | × first row (median of per-round ratios) | "
@@ -145,6 +135,38 @@ def main(argv: list[str] | None = None) -> None:
         refresh = f"{1000 * statistics.median(row['svd']):.0f}" if row["svd"] else "—"
         print(f"| {label} | {1000 * steady:.1f} | {statistics.median(ratios):.2f} | {refresh} | "
               f"{1000 * svd:.2f} | {state:.2f} |")  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+
+    recipe = EvalConfig(optim=replace(EvalConfig().optim, lr=1e-3), batch_size=32)  # glue-small's settings
+    impl = ImplConfig(device="cpu", precision=args.precision)
+    device = impl.torch_device()
+    dtype, why = impl.precision_choice(device)
+    backbone = checkpoint_backbone(args.checkpoint, impl)
+    task = GLUE_TASKS["MRPC"]
+    train = encode(load_local(task, args.glue_dir)["train"], backbone.tokenizer, 128, None, 0)
+    rng = np.random.default_rng(0)
+    batches = [rng.choice(len(train), recipe.batch_size, replace=False) for _ in range(args.steps)]
+    rows = build_rows(args.rows, recipe, backbone, task, device, dtype)
+
+    def update(row: dict, index: np.ndarray) -> None:
+        batch = padded_batch(train, index, backbone.pad_id, device)
+        row["step"].begin(1.0)
+        with row["step"].autocast():
+            logits = row["model"](batch["input_ids"], batch["attention_mask"], batch["token_type_ids"])
+        loss = task_loss(logits, batch["labels"], task.is_regression)
+        row["step"].backward(loss)
+        row["step"].apply(loss.detach())
+
+    for row in rows.values():  # a warm-up (GaLore: its first SVDs)
+        for index in batches[:3]:
+            update(row, index)
+    time_rounds(rows, batches, args.rounds, update)
+    time_refreshes(rows, batches, update)
+    print_table(rows, args, recipe.batch_size, dtype, why)
 
 
 if __name__ == "__main__":

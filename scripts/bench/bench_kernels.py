@@ -286,7 +286,7 @@ def bench_cross_entropy(rows_count: int, args) -> list[Row]:
 # ---------------------------------------------------------------------------------------------------
 
 
-def main() -> int:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -307,19 +307,17 @@ def main() -> int:
     parser.add_argument(
         "--out", type=Path, default=None, help="markdown file (default results/kernels/<gpu>.md)"
     )
-    args = parser.parse_args()
+    return parser.parse_args()
 
-    ok, why = triton_status()
-    if not ok:
-        print(f"Triton cannot launch here: {why}", file=sys.stderr)
-        return 1
-    if args.smoke or not CUDA:
-        args.batch, args.heads, args.head_dim, args.seqs = 2, 2, 32, [33]
-        args.hidden, args.vocab, args.masked_per_seq, args.reps, args.warmup = 96, 1000, 4, 2, 1
-        args.dtype = "fp16" if args.dtype == "bf16" else args.dtype  # the interpreter gets bf16 wrong
-    args.torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
-    gpu = torch.cuda.get_device_name() if CUDA else "cpu-interpreter"
 
+def smoke_shapes(args: argparse.Namespace) -> None:
+    """--smoke, or no GPU: tiny shapes and few repetitions."""
+    args.batch, args.heads, args.head_dim, args.seqs = 2, 2, 32, [33]
+    args.hidden, args.vocab, args.masked_per_seq, args.reps, args.warmup = 96, 1000, 4, 2, 1
+    args.dtype = "fp16" if args.dtype == "bf16" else args.dtype  # the interpreter gets bf16 wrong
+
+
+def header(gpu: str, args: argparse.Namespace) -> list[str]:
     import triton
 
     lines = [f"# Kernel benchmarks: {gpu}", ""]
@@ -331,26 +329,36 @@ def main() -> int:
         f"after {args.warmup} warm-up runs; written by `scripts/bench/bench_kernels.py`.",
         "",
     ]
+    return lines
+
+
+def attention_sections(seq: int, args: argparse.Namespace) -> list[str]:
+    """Attention without and with ALiBi at one sequence length, and the tile sweep with --sweep."""
     attention_ref = "SDPA flash" if CUDA else "eager"
-    for seq in args.seqs:
-        title = f"Attention, batch {args.batch}, {args.heads} heads, seq {seq}, head_dim {args.head_dim}"
-        print(title)
-        note = (
-            "The padding mask gives each sequence a random length between a quarter and all of the sequence."
-        )
-        lines += section(title, note, bench_attention(seq, args), attention_ref, "TFLOP/s")
-        title = f"Attention with ALiBi, batch {args.batch}, {args.heads} heads, seq {seq}, head_dim {args.head_dim}"
-        print(title)
-        note = (
-            "Slopes 4^-h (the default). SDPA gets the dense (heads, seq, seq) bias as a float mask (with padding "
-            "also the most negative float on padded keys), built on every call as in the model; the kernel "
-            "gets the slopes. Same random lengths as above."
-        )
-        lines += section(title, note, bench_attention_alibi(seq, args), "SDPA, ALiBi", "TFLOP/s")
-        if args.sweep:
-            print(f"attention tile sweep, seq {seq}")
-            lines += [f"### Tile sweep, seq {seq}, no mask, fastest forward + backward first", ""]
-            lines += [table(["tiles", "fwd ms", "fwd+bwd ms"], sweep_attention(seq, args)), ""]
+    title = f"Attention, batch {args.batch}, {args.heads} heads, seq {seq}, head_dim {args.head_dim}"
+    print(title)
+    note = "The padding mask gives each sequence a random length between a quarter and all of the sequence."
+    lines = section(title, note, bench_attention(seq, args), attention_ref, "TFLOP/s")
+    title = (
+        f"Attention with ALiBi, batch {args.batch}, {args.heads} heads, seq {seq}, head_dim {args.head_dim}"
+    )
+    print(title)
+    note = (
+        "Slopes 4^-h (the default). SDPA gets the dense (heads, seq, seq) bias as a float mask (with padding "
+        "also the most negative float on padded keys), built on every call as in the model; the kernel "
+        "gets the slopes. Same random lengths as above."
+    )
+    lines += section(title, note, bench_attention_alibi(seq, args), "SDPA, ALiBi", "TFLOP/s")
+    if args.sweep:
+        print(f"attention tile sweep, seq {seq}")
+        lines += [f"### Tile sweep, seq {seq}, no mask, fastest forward + backward first", ""]
+        lines += [table(["tiles", "fwd ms", "fwd+bwd ms"], sweep_attention(seq, args)), ""]
+    return lines
+
+
+def row_kernel_sections(args: argparse.Namespace) -> list[str]:
+    """LayerNorm at each sequence length, gated GELU at the first, cross-entropy at the MLM head's rows."""
+    lines = []
     for seq in args.seqs:
         rows_count = args.batch * seq
         title = f"LayerNorm, {rows_count} rows (batch {args.batch} × seq {seq}) × {args.hidden}, no bias"
@@ -367,6 +375,24 @@ def main() -> int:
     print(title)
     note = "The logits are a leaf here; in the model they come from the decoder matmul in the same dtype."
     lines += section(title, note, bench_cross_entropy(rows_count, args), "F.cross_entropy", "GB/s")
+    return lines
+
+
+def main() -> int:
+    args = parse_args()
+    ok, why = triton_status()
+    if not ok:
+        print(f"Triton cannot launch here: {why}", file=sys.stderr)
+        return 1
+    if args.smoke or not CUDA:
+        smoke_shapes(args)
+    args.torch_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+    gpu = torch.cuda.get_device_name() if CUDA else "cpu-interpreter"
+
+    lines = header(gpu, args)
+    for seq in args.seqs:
+        lines += attention_sections(seq, args)
+    lines += row_kernel_sections(args)
 
     if not CUDA and args.out is None:  # a smoke check: nothing worth keeping under results/
         print("\n".join(lines))

@@ -59,29 +59,21 @@ def run_phase(phase: str, shard: Path, cache: Path, vocab: int, num_proc: int) -
     return json.loads(line.removeprefix("RESULT "))
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shard", type=Path, default=DEFAULT_SHARD)
     parser.add_argument("--vocab", type=int, default=32768)
     parser.add_argument("--num-proc", type=int, default=2)
     parser.add_argument("--out", type=Path, default=REPO / "results" / "preprocessing" / "one-shard.md")
-    args = parser.parse_args()
-    if not args.shard.exists():
-        raise SystemExit(
-            f"no shard at {args.shard}: pass --shard PATH to a .jsonl.gz file with a `text` field"
-        )
+    return parser.parse_args()
 
-    load_before = os.getloadavg()[0]
-    with tempfile.TemporaryDirectory() as tmp:
-        cache = Path(tmp) / "cache"
-        read = run_phase("read", args.shard, cache, args.vocab, args.num_proc)
-        first = run_phase("build", args.shard, cache, args.vocab, args.num_proc)
-        second = run_phase("build", args.shard, cache, args.vocab, args.num_proc)
 
+def table_rows(read: dict, first: dict, second: dict) -> list[tuple[str, str, str, str]]:
+    """(phase, seconds, MB of raw text / s, peak RSS) of each phase and of the first run's parts."""
     stats, mb = first["stats"], read["megabytes"]
     sec = stats["seconds"]
     tok_mb = stats["tokenizer_train_megabytes"]
-    rows = [
+    return [
         (
             "reference: gunzip + JSON parse only",
             f"{read['wall']:.1f}",
@@ -108,6 +100,11 @@ def main() -> None:
             f"{second['peak_rss_mb']:.0f}",
         ),
     ]
+
+
+def report(args: argparse.Namespace, read: dict, first: dict, second: dict, load_before: float) -> str:
+    stats, mb = first["stats"], read["megabytes"]
+    sec = stats["seconds"]
     lines = [
         f"# Preprocessing one Wikipedia shard ({args.shard.name})",
         "",
@@ -118,7 +115,7 @@ def main() -> None:
         "",
         "| phase | seconds | MB of raw text / s | peak RSS (MB) |",
         "|---|---:|---:|---:|",
-        *[f"| {' | '.join(r)} |" for r in rows],
+        *[f"| {' | '.join(r)} |" for r in table_rows(read, first, second)],
         "",
         f"End-to-end speed is {mb / first['wall'] / (mb / read['wall']):.2f}x that of only reading the shard "
         f"(same run). Pipeline step seconds: "
@@ -130,10 +127,27 @@ def main() -> None:
         "",
         f"Command: `python scripts/bench/bench_preprocess.py --vocab {args.vocab} --num-proc {args.num_proc}`",
     ]
-    report = "\n".join(lines) + "\n"
-    print(report)
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    args = parse_args()
+    if not args.shard.exists():
+        raise SystemExit(
+            f"no shard at {args.shard}: pass --shard PATH to a .jsonl.gz file with a `text` field"
+        )
+
+    load_before = os.getloadavg()[0]
+    with tempfile.TemporaryDirectory() as tmp:
+        cache = Path(tmp) / "cache"
+        read = run_phase("read", args.shard, cache, args.vocab, args.num_proc)
+        first = run_phase("build", args.shard, cache, args.vocab, args.num_proc)
+        second = run_phase("build", args.shard, cache, args.vocab, args.num_proc)
+
+    text = report(args, read, first, second, load_before)
+    print(text)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(report)
+    args.out.write_text(text)
     print(f"written to {args.out}")
 
 

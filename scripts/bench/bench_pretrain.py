@@ -345,10 +345,8 @@ def own_bytes(optimizer: torch.optim.Optimizer) -> int:
     return total
 
 
-def measure(args: argparse.Namespace) -> dict:
-    device = torch.device(args.device)
-    rows, vocab, rows_note = load_rows(args)
-    arch = load_arch(args.arch, args.set)
+def build_candidates(arch: ArchConfig, vocab: int, args: argparse.Namespace, device) -> list[Candidate]:
+    """The baseline (with --baseline), then per precision: ours, the ablations (--ablate) and HF."""
     candidates = [BUILDERS["baseline"](arch, vocab, args, device, torch.float32)] if args.baseline else []
     for precision in precisions(args):
         dtype = DTYPES[precision]
@@ -359,13 +357,12 @@ def measure(args: argparse.Namespace) -> dict:
             ]
         if not args.no_hf:
             candidates.append(build_hf(arch, vocab, args, device, dtype))
-    masker = MLMMasker(MLMConfig(), vocab, SPECIAL, MASK_ID)
-    batches = iter(
-        microbatches(rows, args.microbatch, 0, 0, num_workers=args.workers, pin_memory=device.type == "cuda")
-    )
-    for c in candidates:  # warm-up: lazy optimizer state, compilation, loader workers
-        run_steps(c, batches, masker, device, args.warmup)
-        c.own_bytes = own_bytes(c.optimizer)
+    return candidates
+
+
+def run_rounds(candidates: list[Candidate], batches, masker, device, args: argparse.Namespace) -> dict:
+    """Interleaved rounds of the peak matmul in each precision and each candidate's steps (with its CUDA
+    peak memory); returns precision -> the peak FLOP/s of each round."""
     peaks = {p: [] for p in {c.precision for c in candidates}}
     for _ in range(args.rounds):
         for precision, measured in peaks.items():
@@ -384,19 +381,40 @@ def measure(args: argparse.Namespace) -> dict:
                 c.peak_bytes = max(
                     c.peak_bytes or 0, torch.cuda.max_memory_allocated(device) - before + resident
                 )
+    return peaks
+
+
+def profile_ours(candidates: list[Candidate], batches, masker, device, steps: int) -> tuple[str, Candidate]:
+    """A torch.profiler table of `steps` of our steps in the last precision asked for, and that candidate."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    profiled = [c for c in candidates if c.kind == "ours"][-1]  # the last precision asked for
+    with torch.profiler.profile(activities=activities) as prof:
+        run_steps(profiled, batches, masker, device, steps)
+    sort = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    return prof.key_averages().table(sort_by=sort, row_limit=15, max_name_column_width=60), profiled
+
+
+def measure(args: argparse.Namespace) -> dict:
+    device = torch.device(args.device)
+    rows, vocab, rows_note = load_rows(args)
+    arch = load_arch(args.arch, args.set)
+    candidates = build_candidates(arch, vocab, args, device)
+    masker = MLMMasker(MLMConfig(), vocab, SPECIAL, MASK_ID)
+    batches = iter(
+        microbatches(rows, args.microbatch, 0, 0, num_workers=args.workers, pin_memory=device.type == "cuda")
+    )
+    for c in candidates:  # warm-up: lazy optimizer state, compilation, loader workers
+        run_steps(c, batches, masker, device, args.warmup)
+        c.own_bytes = own_bytes(c.optimizer)
+    peaks = run_rounds(candidates, batches, masker, device, args)
     if device.type == "cpu" and not args.no_memory:
         for c in candidates:
             c.peak_bytes = cpu_peak_memory(f"{c.kind}:{c.precision}")
     profile = profiled = None
     if args.profile:
-        activities = [torch.profiler.ProfilerActivity.CPU]
-        if device.type == "cuda":
-            activities.append(torch.profiler.ProfilerActivity.CUDA)
-        profiled = [c for c in candidates if c.kind == "ours"][-1]  # the last precision asked for
-        with torch.profiler.profile(activities=activities) as prof:
-            run_steps(profiled, batches, masker, device, args.profile)
-        sort = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
-        profile = prof.key_averages().table(sort_by=sort, row_limit=15, max_name_column_width=60)
+        profile, profiled = profile_ours(candidates, batches, masker, device, args.profile)
     return {
         "candidates": candidates,
         "peak": {precision: max(measured) for precision, measured in peaks.items()},
@@ -421,18 +439,17 @@ def cpu_bf16_line(device: torch.device) -> str:
     return f" CPU: {support}; impl.precision=auto picks {PRECISION_NAMES[auto]} here ({why})."
 
 
-def report(result: dict, args: argparse.Namespace) -> str:
-    candidates, peaks, arch = result["candidates"], result["peak"], result["arch"]
-    tokens = args.microbatch * args.seq
+def report_header(result: dict, args: argparse.Namespace) -> list[str]:
+    """The title, the settings paragraph and the head of the table."""
+    peaks, arch = result["peak"], result["arch"]
     device = torch.device(args.device)
     device_name = (
         torch.cuda.get_device_name()
         if args.device.startswith("cuda")
         else f"CPU, {torch.get_num_threads()} thread(s)"
     )
-    parts = forward_flops_per_token(arch, result["vocab"], args.seq, masked_fraction(args.seq))
     peak_text = ", ".join(f"{p} {v / 1e12:.3f} TFLOP/s" for p, v in sorted(peaks.items()))
-    lines = [
+    return [
         f"# Training-step throughput: {device_name}",
         "",
         f"`python scripts/bench/bench_pretrain.py {' '.join(sys.argv[1:])}`, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())},"
@@ -449,26 +466,33 @@ def report(result: dict, args: argparse.Namespace) -> str:
         "| model | precision | parameters | seq/s | tokens/s | model GFLOP/token | achieved TFLOP/s | MFU | peak memory | data path |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for c in candidates:
-        seconds = statistics.median(c.seconds)
-        flops = c.flops_per_token * tokens / seconds
-        memory = f"{c.peak_bytes / 2**20:,.0f} MiB" if c.peak_bytes else "n/a"
-        data_share = statistics.median(d / s for d, s in zip(c.data_seconds, c.seconds, strict=True))
-        lines.append(
-            f"| {c.name} | {c.precision} | {c.params / 1e6:.1f}M | {args.microbatch / seconds:,.1f} |"
-            f" {tokens / seconds:,.0f} | {c.flops_per_token / 1e9:.4f} | {flops / 1e12:.4f} |"
-            f" {100 * flops / peaks[c.precision]:.1f}% | {memory} | {100 * data_share:.2f}% |"
-        )
-    lines.append("")
+
+
+def report_row(c: Candidate, peaks: dict[str, float], args: argparse.Namespace) -> str:
+    tokens = args.microbatch * args.seq
+    seconds = statistics.median(c.seconds)
+    flops = c.flops_per_token * tokens / seconds
+    memory = f"{c.peak_bytes / 2**20:,.0f} MiB" if c.peak_bytes else "n/a"
+    data_share = statistics.median(d / s for d, s in zip(c.data_seconds, c.seconds, strict=True))
+    return (
+        f"| {c.name} | {c.precision} | {c.params / 1e6:.1f}M | {args.microbatch / seconds:,.1f} |"
+        f" {tokens / seconds:,.0f} | {c.flops_per_token / 1e9:.4f} | {flops / 1e12:.4f} |"
+        f" {100 * flops / peaks[c.precision]:.1f}% | {memory} | {100 * data_share:.2f}% |"
+    )
+
+
+def ratio_line(label: str, faster: Candidate, slower: Candidate, flops: bool = False) -> str:
+    ratio, ratios = per_round_ratio(faster, slower)
+    text = f"- {label}, median of per-round ratios: **tokens/s {ratio:.2f}x**"
+    if flops:
+        text += f", **FLOP/s {ratio * faster.flops_per_token / slower.flops_per_token:.2f}x**"
+    return text + f" (per round: {', '.join(f'{r:.2f}' for r in ratios)})."
+
+
+def ratio_lines(candidates: list[Candidate], args: argparse.Namespace) -> list[str]:
+    """Ours / HF, bf16 / fp32, each earlier path alone, and ours against the baseline, where measured."""
+    lines = []
     by = {(c.kind, c.precision): c for c in candidates}
-
-    def ratio_line(label: str, faster: Candidate, slower: Candidate, flops: bool = False) -> str:
-        ratio, ratios = per_round_ratio(faster, slower)
-        text = f"- {label}, median of per-round ratios: **tokens/s {ratio:.2f}x**"
-        if flops:
-            text += f", **FLOP/s {ratio * faster.flops_per_token / slower.flops_per_token:.2f}x**"
-        return text + f" (per round: {', '.join(f'{r:.2f}' for r in ratios)})."
-
     for precision in precisions(args):
         if ("hf", precision) in by:
             lines.append(
@@ -492,6 +516,16 @@ def report(result: dict, args: argparse.Namespace) -> str:
                     by["baseline", "fp32"],
                 )
             )
+    return lines
+
+
+def report(result: dict, args: argparse.Namespace) -> str:
+    candidates, peaks, arch = result["candidates"], result["peak"], result["arch"]
+    parts = forward_flops_per_token(arch, result["vocab"], args.seq, masked_fraction(args.seq))
+    lines = report_header(result, args)
+    lines += [report_row(c, peaks, args) for c in candidates]
+    lines.append("")
+    lines += ratio_lines(candidates, args)
     lines += [
         "",
         f"Model FLOPs per token of ours, forward: attention {parts['attention'] / 1e6:.2f}M (projections and the"
@@ -551,7 +585,8 @@ def autobatch_report(args: argparse.Namespace) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
+    """The command line; the defaults differ with and without CUDA."""
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -607,6 +642,11 @@ def main() -> None:
         args.set = (
             [] if cuda else ["num_layers=4", "hidden_size=256", "num_heads=4", "intermediate_size=1024"]
         )
+    return args
+
+
+def main() -> None:
+    args = parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)

@@ -88,7 +88,7 @@ def markdown_table(runs: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -102,18 +102,83 @@ def main() -> None:
         raise SystemExit(
             f"--heldout {args.heldout} is one of the training shards; use {max(args.shards)} or more"
         )
+    return args
 
-    from cramming.data.config import NormalizerConfig, TokenizerConfig
-    from cramming.data.tokenizer import build_normalizer, train_tokenizer
+
+def heldout_texts(heldout: int) -> tuple[list[str], list[str], dict]:
+    """The held-out shard's raw articles, the same normalized with ascii_only, and its figures."""
+    from cramming.data.config import NormalizerConfig
+    from cramming.data.tokenizer import build_normalizer
 
     plain = build_normalizer(NormalizerConfig(ascii_only=False))
-    heldout_raw = read_texts([args.heldout])
+    heldout_raw = read_texts([heldout])
     heldout_plain = [plain.normalize_str(t) for t in heldout_raw]
     heldout_chars = sum(map(len, heldout_plain))
     heldout_non_ascii = sum(not c.isascii() for t in heldout_plain for c in t)
     ascii_norm = build_normalizer(NormalizerConfig(ascii_only=True))
     heldout_ascii = [ascii_norm.normalize_str(t) for t in heldout_raw]
-    heldout_ascii_chars = sum(map(len, heldout_ascii))
+    figures = {
+        "shard": shard_path(heldout).name,
+        "articles": len(heldout_raw),
+        "chars": heldout_chars,
+        "non_ascii_char_share": heldout_non_ascii / heldout_chars,
+        "ascii_chars": sum(map(len, heldout_ascii)),
+    }
+    return heldout_raw, heldout_ascii, figures
+
+
+def one_run(
+    n: int,
+    name: str,
+    raw: list[str],
+    vocab: int,
+    heldout_raw: list[str],
+    heldout_ascii: list[str],
+    heldout: dict,
+) -> dict:
+    """Train the tokenizer of one setting on the texts of the first n shards and count its figures."""
+    from cramming.data.config import NormalizerConfig, TokenizerConfig
+    from cramming.data.tokenizer import build_normalizer, train_tokenizer
+
+    setting = SETTINGS[name]
+    norm_cfg = NormalizerConfig(ascii_only=setting["ascii_only"])
+    norm = build_normalizer(norm_cfg)
+    start = time.perf_counter()
+    texts = [norm.normalize_str(t) for t in raw]
+    normalize_s = time.perf_counter() - start
+    chars = Counter()
+    for t in texts:
+        chars.update(t)
+    n_chars = sum(chars.values())
+    tok_cfg = TokenizerConfig(vocab_size=vocab, limit_alphabet=setting["limit_alphabet"])
+    start = time.perf_counter()
+    tokenizer = train_tokenizer(
+        (texts[i : i + 1000] for i in range(0, len(texts), 1000)), tok_cfg, norm_cfg, len(texts)
+    )
+    train_s = time.perf_counter() - start
+    tokens, unks = count_tokens(tokenizer, heldout_raw)
+    ascii_tokens, _ = count_tokens(tokenizer, heldout_ascii)
+    return {
+        "shards": n,
+        "setting": name,
+        **setting,
+        "articles": len(texts),
+        "train_chars": n_chars,
+        "train_distinct_chars": len(chars),
+        "train_non_ascii_char_share": sum(c for ch, c in chars.items() if not ch.isascii()) / n_chars,
+        **vocabulary_counts(list(tokenizer.get_vocab())),
+        "heldout_tokens": tokens,
+        "heldout_tokens_per_char": tokens / heldout["chars"],
+        "heldout_unk_share": unks / max(1, tokens),
+        "heldout_ascii_tokens_per_char": ascii_tokens / heldout["ascii_chars"],
+        "normalize_s": round(normalize_s, 1),
+        "train_s": round(train_s, 1),
+    }
+
+
+def main() -> None:
+    args = parse_args()
+    heldout_raw, heldout_ascii, heldout = heldout_texts(args.heldout)
     results = {
         "machine": {
             "cpu_count": os.cpu_count(),
@@ -121,52 +186,13 @@ def main() -> None:
             "python": platform.python_version(),
             "tokenizers": __import__("tokenizers").__version__,
         },
-        "heldout": {
-            "shard": shard_path(args.heldout).name,
-            "articles": len(heldout_raw),
-            "chars": heldout_chars,
-            "non_ascii_char_share": heldout_non_ascii / heldout_chars,
-            "ascii_chars": heldout_ascii_chars,
-        },
+        "heldout": heldout,
         "runs": [],
     }
     for n in args.shards:
         raw = read_texts(list(range(n)))
         for name in args.settings:
-            setting = SETTINGS[name]
-            norm_cfg = NormalizerConfig(ascii_only=setting["ascii_only"])
-            norm = build_normalizer(norm_cfg)
-            start = time.perf_counter()
-            texts = [norm.normalize_str(t) for t in raw]
-            normalize_s = time.perf_counter() - start
-            chars = Counter()
-            for t in texts:
-                chars.update(t)
-            n_chars = sum(chars.values())
-            tok_cfg = TokenizerConfig(vocab_size=args.vocab, limit_alphabet=setting["limit_alphabet"])
-            start = time.perf_counter()
-            tokenizer = train_tokenizer(
-                (texts[i : i + 1000] for i in range(0, len(texts), 1000)), tok_cfg, norm_cfg, len(texts)
-            )
-            train_s = time.perf_counter() - start
-            tokens, unks = count_tokens(tokenizer, heldout_raw)
-            ascii_tokens, _ = count_tokens(tokenizer, heldout_ascii)
-            run = {
-                "shards": n,
-                "setting": name,
-                **setting,
-                "articles": len(texts),
-                "train_chars": n_chars,
-                "train_distinct_chars": len(chars),
-                "train_non_ascii_char_share": sum(c for ch, c in chars.items() if not ch.isascii()) / n_chars,
-                **vocabulary_counts(list(tokenizer.get_vocab())),
-                "heldout_tokens": tokens,
-                "heldout_tokens_per_char": tokens / heldout_chars,
-                "heldout_unk_share": unks / max(1, tokens),
-                "heldout_ascii_tokens_per_char": ascii_tokens / heldout_ascii_chars,
-                "normalize_s": round(normalize_s, 1),
-                "train_s": round(train_s, 1),
-            }
+            run = one_run(n, name, raw, args.vocab, heldout_raw, heldout_ascii, heldout)
             results["runs"].append(run)
             print(json.dumps(run), flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -129,7 +129,7 @@ def cell(score: EntryScore | None) -> str:
     return f"{100 * score.median:.1f}{spread}"
 
 
-def main(argv: list[str] | None = None) -> None:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -144,9 +144,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--glue-dir", help="with a local GLUE copy: the pair probe of each run's checkpoint (STS-B dev pairs)"
     )
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def load_runs(specs: list[str]) -> dict:
+    """label -> (results, entry scores) of each label=folder."""
     runs = {}
-    for spec in args.runs:
+    for spec in specs:
         label, sep, folder = spec.partition("=")
         if not sep:
             raise SystemExit(
@@ -154,7 +158,11 @@ def main(argv: list[str] | None = None) -> None:
             )
         results = load(Path(folder))
         runs[label] = (results, entry_scores(results))
+    return runs
 
+
+def print_scores(runs: dict) -> None:
+    """GLUE dev scores per task and their average, with Turc et al.'s test figures below."""
     print("| model | " + " | ".join(TASKS) + " | Avg |")
     print("|---" * (len(TASKS) + 2) + "|")
     for label, (_, scores) in runs.items():
@@ -169,6 +177,9 @@ def main(argv: list[str] | None = None) -> None:
             + f" | {np.mean(values):.1f} |"
         )
 
+
+def print_pretraining(runs: dict) -> None:
+    """Each run's pretraining figures (updates, time, held-out MLM and context use) and fine-tuning time."""
     print("\n| model | updates | pretraining min | val MLM loss | val MLM acc | masked loss real | shuffled | gain |"
           " unigram entropy | fine-tuning min (all tasks x seeds) | seeds |")  # fmt: skip
     print("|---" * 11 + "|")
@@ -188,6 +199,8 @@ def main(argv: list[str] | None = None) -> None:
             f" {fmt('context_gain')} | {fmt('context_unigram_entropy')} | {seconds / 60:.1f} | {len(seeds)} |"
         )
 
+
+def print_phase_times(runs: dict) -> None:
     print(
         "\n| model | data s (preprocessed earlier: load only) | pretraining s | final validation s | fine-tuning s | evaluation run s |"
     )
@@ -202,6 +215,9 @@ def main(argv: list[str] | None = None) -> None:
             f" {seconds.get('eval', float('nan')):.1f} | {tuning:.0f} | {'—' if total is None else f'{total:.0f}'} |"
         )
 
+
+def margin_rows(runs: dict) -> list[str]:
+    """Per pretrained run and task: its median over the `<arch>-scratch` median, against the seed spreads."""
     margins = []
     for label, (_, scores) in runs.items():
         arch = label.split("-")[0]
@@ -219,6 +235,10 @@ def main(argv: list[str] | None = None) -> None:
             else:
                 verdict = "yes" if margin > spread else "no"
             margins.append(f"| {label} | {task} | {margin:+.1f} | {spread:.1f} | {verdict} |")
+    return margins
+
+
+def print_curve(runs: dict) -> None:
     curve = curve_rows(runs)
     if curve:
         print(
@@ -228,6 +248,9 @@ def main(argv: list[str] | None = None) -> None:
         print("|---|---|---|---|---|---|")
         print("\n".join(curve))
 
+
+def print_margins(runs: dict) -> None:
+    margins = margin_rows(runs)
     if margins:
         print(
             "\n| model | task | median - scratch median | larger seed spread (max - min) | beats scratch by more |"
@@ -235,6 +258,8 @@ def main(argv: list[str] | None = None) -> None:
         print("|---|---|---|---|---|")
         print("\n".join(margins))
 
+
+def print_last_epoch_losses(runs: dict) -> None:
     fits = {label: last_epoch_losses(results) for label, (results, _) in runs.items()}
     if any(fits.values()):
         print("\n| model | " + " | ".join(f"{t} last-epoch train loss" for t in TASKS) + " |")
@@ -243,6 +268,16 @@ def main(argv: list[str] | None = None) -> None:
             cells = ["—" if t not in losses else f"{losses[t]:.3f}" for t in TASKS]
             print(f"| {label} | " + " | ".join(cells) + " |")
 
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    runs = load_runs(args.runs)
+    print_scores(runs)
+    print_pretraining(runs)
+    print_phase_times(runs)
+    print_curve(runs)
+    print_margins(runs)
+    print_last_epoch_losses(runs)
     if args.glue_dir is not None:
         print_pair_probes(runs, args.glue_dir)
     if args.out is not None:

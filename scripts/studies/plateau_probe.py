@@ -31,7 +31,7 @@ from cramming.train.mlm import MLMMasker
 CONF = Path(__file__).resolve().parents[2] / "conf" / "arch"
 
 
-def main(argv: list[str] | None = None) -> None:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -49,7 +49,22 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--mask", type=float, default=0.25, help="masking fraction")
     parser.add_argument("--threads", type=int, default=1)
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def arch_fields(arch: str, overrides: list[str]) -> dict:
+    """The fields of conf/arch/<arch>.yaml with the KEY=VALUE overrides applied."""
+    fields = yaml.safe_load((CONF / f"{arch}.yaml").read_text())
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise SystemExit(f"--set {item!r}: use KEY=VALUE")
+        fields[key] = yaml.safe_load(value)
+    return fields
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     torch.set_num_threads(args.threads)
 
     data = load_pretraining_data(args.data)
@@ -61,12 +76,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     train = torch.from_numpy(np.asarray(data.train["input_ids"], dtype=np.int64))
     val = torch.from_numpy(np.asarray(data.validation["input_ids"], dtype=np.int64))
-    fields = yaml.safe_load((CONF / f"{args.arch}.yaml").read_text())
-    for item in args.set:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise SystemExit(f"--set {item!r}: use KEY=VALUE")
-        fields[key] = yaml.safe_load(value)
+    fields = arch_fields(args.arch, args.set)
     torch.manual_seed(0)
     model = BertForMLM(ArchConfig(**fields), data.vocab_size, dropout=0.0)
     optimizer = torch.optim.AdamW(
