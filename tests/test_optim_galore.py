@@ -259,8 +259,9 @@ def _apart_from_galore_torch(galore_torch, steps: int) -> list[float]:
 
 @pytest.mark.parametrize("same_signs", [False, True], ids=["lapack-signs", "our-sign-rule"])
 def test_galore_torch_parts_from_ours_at_the_first_refresh_only_by_the_sign_rule(monkeypatch, same_signs):
-    # what the README says of galore-torch: equal (to rounding, 4e-6 of the move) until the first refresh, then
-    # apart (95% of the move after 60 updates here); with our sign rule given to it, equal throughout
+    # what docs/optimizers.md says of galore-torch: equal (to rounding, 4e-6 of the move) until the first
+    # refresh, then apart (95% of the move after 60 updates here); with our sign rule given to it, equal
+    # throughout
     galore_torch = pytest.importorskip("galore_torch", reason="galore-torch is not installed (a test extra)")
     if same_signs:
         _galore_torch_with_our_signs(galore_torch, monkeypatch)
