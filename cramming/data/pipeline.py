@@ -34,7 +34,7 @@ from tokenizers import Tokenizer
 from cramming.data.config import DataConfig
 from cramming.data.ordering import ORDERINGS
 from cramming.data.sources import fingerprinted_fields, load_source, source_fingerprint
-from cramming.data.tokenizer import SpecialTokens, build_normalizer, train_tokenizer
+from cramming.data.tokenizer import SpecialTokens, build_normalizer, train_tokenizer, word_inner_characters
 from cramming.errors import DataSourceError
 from cramming.utils import process_alive
 
@@ -508,7 +508,11 @@ def _fit_tokenizer(cfg: DataConfig, train_docs: datasets.Dataset, steps: _Steps,
         ", ".join(f"{n} from {name}" for name, n in stats["tokenizer_train_documents"].items()),
     )
     with steps.step("train tokenizer", stats["tokenizer_train_megabytes"]):
-        return train_tokenizer(_text_batches(tok_docs), cfg.tokenizer, cfg.normalizer, len(tok_docs))
+        # WordPiece's ##pieces numbered before training: the same vocabulary from the same texts every time
+        inner = word_inner_characters(_text_batches(tok_docs)) if cfg.tokenizer.kind == "wordpiece" else ()
+        return train_tokenizer(
+            _text_batches(tok_docs), cfg.tokenizer, cfg.normalizer, len(tok_docs), inner_chars=inner
+        )
 
 
 def _tokenize_and_pack(

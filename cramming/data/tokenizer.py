@@ -6,7 +6,9 @@ the code they configure; TokenizerConfig accepts the kinds TOKENIZER_KINDS regis
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import string
+import unicodedata
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
@@ -128,15 +130,37 @@ def _wordpiece(cfg: TokenizerConfig) -> tuple[Tokenizer, trainers.Trainer]:
     return tok, trainer
 
 
-def _renumber_wordpiece(tok: Tokenizer) -> None:
+def word_inner_characters(batches: Iterable[list[str]]) -> list[str]:
+    """The characters of the texts that can stand inside a word after BERT's pre-tokenization (all but
+    whitespace and punctuation, which it splits off), sorted: what train_tokenizer's `inner_chars` takes."""
+    seen: set[str] = set()
+    for batch in batches:
+        for text in batch:
+            seen.update(text)
+    return sorted(c for c in seen if not c.isspace() and not _bert_punctuation(c))
+
+
+def _bert_punctuation(char: str) -> bool:
+    """BertPreTokenizer's punctuation, each character a word of its own: ASCII's and Unicode's P* classes."""
+    return char in string.punctuation or unicodedata.category(char).startswith("P")
+
+
+def _renumber_wordpiece(tok: Tokenizer, seeded: set[str]) -> Tokenizer:
     """Give a trained WordPiece vocabulary the same ids every time: the special tokens first, then the rest
     sorted. The trainer numbers tokens of equal count in hash-map order, which changes from one training to
     the next (same texts, same vocabulary, some ids swapped). WordPiece splits a word by the longest match
-    in the vocabulary set, so the ids can be renumbered without changing any segmentation."""
-    vocab = tok.get_vocab()
-    rest = sorted(token for token in vocab if token not in SPECIAL_TOKENS)
+    in the vocabulary set, so the ids can be renumbered without changing any segmentation. The `##c`
+    pieces seeded as special tokens (train_tokenizer) become plain vocabulary; one whose character the
+    alphabet left out (data.tokenizer.limit_alphabet) never took part in training and is dropped."""
+    vocab = tok.get_vocab(with_added_tokens=False)
+    unused = {piece for piece in seeded if piece[2:] not in vocab}
+    rest = sorted(token for token in vocab if token not in SPECIAL_TOKENS and token not in unused)
     ordered = {token: i for i, token in enumerate([*SPECIAL_TOKENS, *rest])}
-    tok.model = models.WordPiece(ordered, unk_token=UNK, max_input_chars_per_word=MAX_WORD_CHARS)
+    renumbered = Tokenizer(models.WordPiece(ordered, unk_token=UNK, max_input_chars_per_word=MAX_WORD_CHARS))
+    renumbered.pre_tokenizer = tok.pre_tokenizer
+    renumbered.decoder = tok.decoder
+    renumbered.add_special_tokens(list(SPECIAL_TOKENS))
+    return renumbered
 
 
 def _byte_level_bpe(cfg: TokenizerConfig) -> tuple[Tokenizer, trainers.Trainer]:
@@ -179,16 +203,26 @@ def train_tokenizer(
     cfg: TokenizerConfig,
     normalizer_cfg: NormalizerConfig,
     length: int | None = None,
+    inner_chars: Sequence[str] = (),
 ) -> Tokenizer:
     """Train on batches of already-normalized texts; the returned tokenizer normalizes raw text itself.
 
     Inputs are encoded as `[CLS] a [SEP]` or `[CLS] a [SEP] b [SEP]` (token types 0 and 1), the BERT layout
     fine-tuning expects; pretraining rows are encoded without special tokens and joined with [SEP].
+
+    inner_chars (WordPiece): word_inner_characters of the same texts, for the same vocabulary every time.
+    The trainer numbers each `##c` piece when it first meets it, in a hash map's order that changes from one
+    training to the next, and breaks ties between merges of equal count by those numbers; where counts tie
+    (a corpus whose vocabulary stops at min_frequency before vocab_size, as a small one) the same texts then
+    give other merges. Seeded first, as special tokens, the pieces are numbered in this order instead.
     """
     tok, trainer = TOKENIZER_KINDS[cfg.kind](cfg)
+    seeded = [f"##{c}" for c in inner_chars] if cfg.kind == "wordpiece" else []
+    if seeded:
+        trainer.special_tokens = [*SPECIAL_TOKENS, *seeded]
     tok.train_from_iterator(texts, trainer=trainer, length=length)
     if cfg.kind == "wordpiece":
-        _renumber_wordpiece(tok)
+        tok = _renumber_wordpiece(tok, set(seeded))
     tok.normalizer = build_normalizer(normalizer_cfg)
     special = SpecialTokens()
     for i, token in enumerate(SPECIAL_TOKENS):
