@@ -168,6 +168,13 @@ def test_log_line_and_metrics_record(tmp_path, caplog):
     assert "val_loss" in records[-1]
 
 
+def test_rates_below_one_a_second_do_not_read_as_zero():
+    from cramming.utils import per_second
+
+    # crammed-bert on a CPU: 0.146 sequences/s, which the log line used to print as "0 seq/s"
+    assert (per_second(0.146), per_second(18.68), per_second(50432.6)) == ("0.146", "18.7", "50433")
+
+
 def test_nonfinite_loss_skips_the_update_then_stops(tmp_path, monkeypatch):
     original = loop.forward_backward
     poisoned = {3}  # micro-batches (1-based) whose loss is NaN
@@ -228,6 +235,9 @@ def test_a_run_started_again_in_its_own_folder_continues_without_resume(tmp_path
     again = loop.train(cfg, data, run_dir(cfg))
     assert again.stop_reason == "steps" and again.progress.updates == 6
     assert 0 < again.elapsed_before <= first.elapsed  # the budget counts on from the saved state
+    # each process logs its first update, so its first record covers its set-up and one update only (the run
+    # card's split of set-up and training time reads it so)
+    assert [r["update"] for r in read_metrics(run_dir(cfg)) if "loss" in r] == [1, 4, 5, 6]
     fresh = loop.train(cfg, data, run_dir(cfg, "2026-01-01_00-10-00"))
     assert fresh.elapsed_before == 0.0 and fresh.progress.updates == 6
 

@@ -38,7 +38,7 @@ from cramming.optim.report import optimizer_state_report
 from cramming.optim.schedules import LR_SCHEDULES, step_progress
 from cramming.optim.step import TrainStep
 from cramming.signals import StopSignals
-from cramming.utils import peak_memory_bytes, seed_everything
+from cramming.utils import peak_memory_bytes, per_second, seed_everything
 
 log = logging.getLogger("cramming")
 
@@ -224,8 +224,8 @@ def train_epochs(
         train_seconds += epoch_seconds
         epoch_losses.append(float(mean_loss))
         log.info(
-            "%s seed %d epoch %d/%d: loss %.4f, %.0f examples/s%s",
-            task.name, seed, epoch + 1, epochs, mean_loss, len(train) / max(epoch_seconds, 1e-9),
+            "%s seed %d epoch %d/%d: loss %.4f, %s examples/s%s",
+            task.name, seed, epoch + 1, epochs, mean_loss, per_second(len(train) / max(epoch_seconds, 1e-9)),
             " (eval budget spent: stopping here)" if stopped else "",
         )  # fmt: skip
         if stopped:

@@ -207,9 +207,12 @@ def train(
         run.signals = signals
         run.metrics.restart_window()  # throughput from here, set-up excluded
         reason = check_stop(run) or steps_done(run)  # a requeued job that had finished: straight to finish
+        # this process's first update is logged, a resumed run's too: that record alone covers the set-up and
+        # one update, as the run card's split of the time (set-up, compile, train) reads it
+        first = run.progress.updates + 1
         while reason is None:
             reason = run_update(run)
-            if run.progress.updates == 1 or run.progress.updates % cfg.train.log_every == 0:
+            if run.progress.updates == first or run.progress.updates % cfg.train.log_every == 0:
                 log_progress(run)
             if reason is None:
                 run_hooks(run)

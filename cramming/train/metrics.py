@@ -21,6 +21,7 @@ from cramming.budget import BudgetClock
 from cramming.errors import ConfigError, WriteFailed
 from cramming.model import count_parameters
 from cramming.train.config import TrainConfig
+from cramming.utils import per_second
 
 log = logging.getLogger("cramming")
 
@@ -94,14 +95,14 @@ class Metrics:
             "skipped": skipped,
         }
         log.info(
-            "update %d | loss %.4f | mlm acc %.3f | lr %.2e | batch %d | %.0f seq/s, %.0f tok/s | %s",
+            "update %d | loss %.4f | mlm acc %.3f | lr %.2e | batch %d | %s seq/s, %s tok/s | %s",
             update,
             record["loss"],
             record["mlm_acc"],
             lr,
             record["batch_size"],
-            record["seq_per_s"],
-            record["tok_per_s"],
+            per_second(record["seq_per_s"]),
+            per_second(record["tok_per_s"]),
             clock.describe(),
         )
         self.write(record)
