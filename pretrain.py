@@ -81,6 +81,7 @@ def summarize(config: PretrainConfig, result: TrainResult, data: PretrainingData
     """What was learned, where the model is and what to run next: the last lines a newcomer reads."""
     return summary(
         arch=config.arch.name,
+        hidden_size=config.arch.hidden_size,
         updates=result.progress.updates,
         tokens=result.progress.rows * data.seq_length,
         minutes=result.elapsed / 60,

@@ -78,3 +78,12 @@ def test_the_checkpoint_is_shown_as_typed_from_the_working_directory(tmp_path, m
     monkeypatch.chdir(tmp_path)
     assert shown(tmp_path / "outputs" / "demo" / "checkpoint") == "outputs/demo/checkpoint"
     assert shown(Path("/elsewhere/checkpoint")) == "/elsewhere/checkpoint"
+
+
+def test_the_summary_proposes_the_glue_recipe_for_the_models_width():
+    """GLUE-sane's rate is tuned for BERT-base's width: the real run's crammed-bert is pointed at it, the demo's
+    bert-tiny at glue-small (the real run's summary used to propose glue-small too)."""
+    from cramming.train.summary import next_commands
+
+    assert "eval=glue-small" in next_commands("demo", "outputs", Path("x"), hidden_size=128)[1]
+    assert "eval=glue-sane" in next_commands("default", "outputs", Path("x"), hidden_size=768)[1]

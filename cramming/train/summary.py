@@ -11,6 +11,14 @@ from cramming.train.context import USES_CONTEXT_GAIN
 
 # the project-local GLUE copy that `python scripts/get_data.py glue` writes (docs/evaluation.md)
 LOCAL_GLUE = Path("data/glue")
+# GLUE-sane's learning rate is tuned for BERT-base's width (crammed-bert, the real run); narrower models
+# (bert-tiny, bert-mini, bert-small) need glue-small's larger rates (docs/evaluation.md)
+GLUE_SANE_WIDTH = 768
+
+
+def glue_recipe(hidden_size: int) -> str:
+    """The eval recipe the summary proposes for a model of this width."""
+    return "glue-sane" if hidden_size >= GLUE_SANE_WIDTH else "glue-small"
 
 
 def learned(validation: dict | None, vocab_size: int) -> list[str]:
@@ -40,11 +48,13 @@ def learned(validation: dict | None, vocab_size: int) -> list[str]:
     return lines
 
 
-def next_commands(name: str, base_dir: str, checkpoint: Path) -> list[str]:
-    """GLUE fine-tuning, the transformers export and the real run, for this run's name."""
+def next_commands(name: str, base_dir: str, checkpoint: Path, hidden_size: int) -> list[str]:
+    """GLUE fine-tuning (the recipe for the model's width), the transformers export and the real run, for this
+    run's name."""
     where = [] if base_dir == "outputs" else [f"base_dir={base_dir}"]
     glue = [f"eval.glue_dir={LOCAL_GLUE}"] if LOCAL_GLUE.is_dir() else []
-    evaluate = shlex.join(["python", "eval.py", f"checkpoint={name}", *where, "eval=glue-small", *glue])
+    recipe = f"eval={glue_recipe(hidden_size)}"
+    evaluate = shlex.join(["python", "eval.py", f"checkpoint={name}", *where, recipe, *glue])
     export = shlex.join(
         ["python", "scripts/export_hf.py", name, f"exported/{name}"]
         + ([] if base_dir == "outputs" else ["--base-dir", base_dir])
@@ -74,6 +84,7 @@ def shown(path: Path) -> str:
 def summary(
     *,
     arch: str,
+    hidden_size: int,
     updates: int,
     tokens: int,
     minutes: float,
@@ -90,6 +101,6 @@ def summary(
             head,
             *learned(validation, vocab_size),
             f"checkpoint: {shown(checkpoint)}",
-            *next_commands(name, base_dir, checkpoint),
+            *next_commands(name, base_dir, checkpoint, hidden_size),
         ]
     )
