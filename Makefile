@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 # CPU build by default; on a GPU machine install your CUDA build of torch first, e.g. TORCH=torch
 TORCH ?= torch==2.13.0
 
-.PHONY: install demo test lint format
+.PHONY: install demo rehearsal test lint format
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -20,6 +20,14 @@ install: $(VENV)/.installed
 # ends with a model that uses context; results/demo/ has the runs that chose it.
 demo: install
 	$(PY) pretrain.py +sweep=demo
+
+# The real run (`python pretrain.py budget=24`) rehearsed on a CPU in five to ten minutes: data=wikibooks through
+# its hub loaders from local folders in the hub's layout, tokenizer training, crammed-bert under the recipe's
+# schedule and batch ramp, SIGTERM and resume, glue-sane, export; only budget, data size and batch sizes scaled
+# (docs/pretraining.md). OUT=<folder> puts it elsewhere than outputs/rehearsal.
+OUT ?= outputs/rehearsal
+rehearsal: install
+	$(PY) scripts/rehearsal.py --out $(OUT)
 
 test: install
 	$(PY) -m pytest -q
