@@ -8,11 +8,11 @@ score every paradigm), write the scores into the run folder.
 
 from __future__ import annotations
 
+import functools
 import logging
 from pathlib import Path
 
 import hydra
-import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
@@ -25,6 +25,7 @@ from cramming.eval.run import checkpoint_backbone, earlier_evaluation, glue_reco
 from cramming.job.runcard import RunCard, run_entry_point, run_job
 from cramming.job.trackers import start_trackers
 from cramming.model.checkpoint import load_pretrained, resolve_checkpoint
+from cramming.optim.step import autocast
 
 log = logging.getLogger("cramming")
 register_configs()
@@ -64,12 +65,9 @@ def load_masked_lm(config: EvalRunConfig) -> tuple[Path, blimp.MaskedLM]:
     pretrained = load_pretrained(checkpoint, config.base_dir, device=device, **config.impl.kernel_choices())
     dtype, why = config.impl.precision_choice(device)
     log.info("scoring precision %s (%s)", str(dtype).removeprefix("torch."), why)
-
-    def autocast():
-        return torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
-
     mask_id = pretrained.config["special_tokens"]["mask"]
-    return checkpoint, blimp.CrammedMaskedLM(pretrained.model, pretrained.tokenizer, mask_id, autocast)
+    forward_in = functools.partial(autocast, device.type, dtype)
+    return checkpoint, blimp.CrammedMaskedLM(pretrained.model, pretrained.tokenizer, mask_id, forward_in)
 
 
 def evaluate_blimp(config: EvalRunConfig, card: RunCard) -> float:

@@ -15,6 +15,7 @@ one CPU thread, the same whatever the run's length.
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 import random
 import time
@@ -38,6 +39,7 @@ from cramming.eval.scores import glue_average, summarize
 from cramming.eval.tasks import GLUE_TASKS
 from cramming.impl import ImplConfig
 from cramming.model.checkpoint import unwrap
+from cramming.optim.step import autocast
 
 if TYPE_CHECKING:
     from cramming.data import PretrainingData
@@ -195,11 +197,9 @@ class AnytimeEval:
         plain = unwrap(model)
         dtype, _ = self.impl.precision_choice(next(plain.parameters()).device)
         device_type = next(plain.parameters()).device.type
-
-        def autocast():
-            return torch.autocast(device_type, dtype=dtype, enabled=dtype != torch.float32)
-
-        lm = CrammedMaskedLM(plain, self.tokenizer, self.mask_id, autocast)
+        lm = CrammedMaskedLM(
+            plain, self.tokenizer, self.mask_id, functools.partial(autocast, device_type, dtype)
+        )
         cfg = self.cfg.blimp
         records = [
             r

@@ -31,6 +31,11 @@ from cramming.optim.base import check_layerwise_loop
 log = logging.getLogger("cramming")
 
 
+def autocast(device_type: str, dtype: torch.dtype) -> contextlib.AbstractContextManager:
+    """Forward in the compute dtype `dtype` on `device_type`; fp32 runs without autocast."""
+    return torch.autocast(device_type, dtype=dtype, enabled=dtype != torch.float32)
+
+
 @dataclass
 class StepStats:
     """Updates applied and skipped; `skipped_in_a_row` resets at every applied update."""
@@ -84,7 +89,7 @@ class TrainStep:
                 self.optimizer.accumulating = False
 
     def autocast(self) -> contextlib.AbstractContextManager:
-        return torch.autocast(self.device_type, dtype=self.dtype, enabled=self.dtype != torch.float32)
+        return autocast(self.device_type, self.dtype)
 
     def backward(self, loss: torch.Tensor, scale: float = 1.0) -> None:
         """Accumulate the gradient of `loss * scale` (1 / micro-batches per update when accumulating)."""
