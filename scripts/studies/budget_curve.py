@@ -1,0 +1,431 @@
+"""What the budget buys on a CPU: BLiMP and GLUE along 0 to 120 CPU-minutes of pretraining (results/budget-curve/).
+
+The plan (issue 47): bert-tiny at 0, 15, 30, 60 and 120 CPU-minutes, two pretraining seeds at 15 and 60, and
+bert-mini at 0 and 60, all with the CPU study's recipe (`+sweep=cpu-study`, one thread) on its twelve Wikipedia
+shards; "0 minutes" is one update at the warm-up rate (`train.steps=1`), as in results/cpu-study/. Each point
+is scored
+
+- on BLiMP, zero-shot, all 67,000 pairs (`eval=blimp`, within_word_l2r, ties fail), beside its architecture's
+  floor: the mean of three random-weight twins (the 0-minute run's architecture and tokenizer, weights drawn
+  with seeds 0, 1, 2);
+- on GLUE with `eval=glue-small` (three fine-tuning seeds), with all training data and with 1,000 training
+  examples per task (`eval.max_train_examples=1000`).
+
+    python -m scripts.studies.budget_curve run --data <Wikipedia shards folder> --glue-dir <GLUE folder> \
+        --blimp-dir <BLiMP folder> [--points tiny-15-s0 tiny-15-s1 ...] [--stages pretrain blimp glue1k glue]
+    python -m scripts.studies.budget_curve report --keep results/budget-curve/runs --out results/budget-curve
+
+`run` does each stage of each point that is not done yet, one at a time: a stage is done when its run folder
+under --base-dir (outputs/budget-curve-<point>[-<stage>]) has a run card with status ok, so an interrupted or
+partial study continues where it stopped. After each stage it stores the point's figures in --keep
+(<point>.json, and floor-<arch>.json): run folders do not outlive a machine, these files do. The pretraining
+runs are budgeted by wall clock: run nothing else on the machine meanwhile. The load average over each run is
+sampled and stored beside it, so a loaded run shows.
+
+`report` reads --keep alone: one table (per point: updates, tokens, held-out MLM loss, BLiMP overall against
+its floor, GLUE average with all data and with 1,000 examples), BLiMP by phenomenon, which phenomena rise
+beyond the floor's range first and which never do, and one plot (budget_curve.png under --out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from cramming.eval import blimp
+from cramming.utils import atomic_write_text, newest_run_dir
+from scripts.studies.blimp_study import published, random_twin
+from scripts.studies.blimp_study import score as blimp_score
+from scripts.studies.blimp_study import table as phenomenon_table
+from scripts.studies.cpu_study import average, entry_scores, seed_averages
+
+STAGES = ("pretrain", "blimp", "glue1k", "glue")
+FLOOR_SEEDS = (0, 1, 2)
+SHARDS = "train-*-of-00012.jsonl.gz"
+PREFIX = "budget-curve"
+
+
+@dataclass(frozen=True)
+class Point:
+    label: str
+    arch: str
+    minutes: int  # 0: one update at the warm-up rate (train.steps=1)
+    seed: int = 0
+
+    def pretrain_args(self, data: str) -> list[str]:
+        args = [
+            "+sweep=cpu-study",
+            f"arch={self.arch}",
+            f"seed={self.seed}",
+            f"data.sources.local.files={data}/{SHARDS}",
+        ]
+        return args + (
+            ["budget=1", "train.steps=1"] if self.minutes == 0 else [f"budget={self.minutes / 60:g}"]
+        )
+
+
+PLAN = (
+    Point("tiny-0", "bert-tiny", 0),
+    Point("tiny-15-s0", "bert-tiny", 15),
+    Point("tiny-15-s1", "bert-tiny", 15, seed=1),
+    Point("tiny-30", "bert-tiny", 30),
+    Point("tiny-60-s0", "bert-tiny", 60),
+    Point("tiny-60-s1", "bert-tiny", 60, seed=1),
+    Point("tiny-120", "bert-tiny", 120),
+    Point("mini-0", "bert-mini", 0),
+    Point("mini-60", "bert-mini", 60),
+)
+BY_LABEL = {p.label: p for p in PLAN}
+
+
+def run_name(point: Point, stage: str) -> str:
+    return f"{PREFIX}-{point.label}" + ("" if stage == "pretrain" else f"-{stage}")
+
+
+def finished_run(base_dir: Path, name: str) -> Path | None:
+    """The newest run folder of `name` whose run card says it ended ok, or None."""
+    folder = newest_run_dir(base_dir, name, "run_card.json")
+    if folder is None:
+        return None
+    card = json.loads((folder / "run_card.json").read_text())
+    return folder if card.get("status") == "ok" else None
+
+
+# ------------------------------------------------------------------------------------------------------- run
+
+
+def stage_command(point: Point, stage: str, args: argparse.Namespace) -> list[str]:
+    name = run_name(point, stage)
+    common = [f"base_dir={args.base_dir}", f"name={name}", "impl.cpu_threads=1"]
+    if stage == "pretrain":
+        return [sys.executable, "pretrain.py", *point.pretrain_args(args.data), *common]
+    checkpoint = f"checkpoint={run_name(point, 'pretrain')}"
+    if stage == "blimp":
+        return [sys.executable, "eval.py", checkpoint, "eval=blimp", f"blimp.dir={args.blimp_dir}", *common]
+    extra = ["eval.max_train_examples=1000"] if stage == "glue1k" else []
+    return [
+        sys.executable, "eval.py", checkpoint, "eval=glue-small", f"eval.glue_dir={args.glue_dir}", *extra, *common
+    ]  # fmt: skip
+
+
+class LoadSampler:
+    """The 1-minute load average every 30 s while a stage runs (another job on the machine raises it)."""
+
+    def __init__(self) -> None:
+        self.samples: list[float] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def _sample(self) -> None:
+        while True:
+            self.samples.append(os.getloadavg()[0])
+            if self._stop.wait(30):
+                return
+
+    def __enter__(self) -> LoadSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def summary(self) -> dict:
+        return {"mean": statistics.mean(self.samples), "max": max(self.samples), "samples": len(self.samples)}
+
+
+def run_stage(point: Point, stage: str, args: argparse.Namespace) -> dict | None:
+    """Run one stage unless it is done; returns its load record when it ran. Exits non-zero when it fails."""
+    if finished_run(args.base_dir, run_name(point, stage)) is not None:
+        return None
+    if stage != "pretrain" and finished_run(args.base_dir, run_name(point, "pretrain")) is None:
+        raise SystemExit(f"{point.label}: {stage} needs its pretraining run; run the pretrain stage first")
+    command = stage_command(point, stage, args)
+    print(f"[{time.strftime('%H:%M:%S')}] {point.label} {stage}: {' '.join(command[1:])}", flush=True)
+    with LoadSampler() as load:
+        done = subprocess.run(command, check=False)
+    if done.returncode != 0:
+        raise SystemExit(f"{point.label} {stage} failed (exit {done.returncode}); the study stops here")
+    return load.summary()
+
+
+def keep_point(point: Point, args: argparse.Namespace, loads: dict) -> None:
+    """Write what the point's finished stages measured to <keep>/<point>.json (earlier load records kept)."""
+    path = args.keep / f"{point.label}.json"
+    kept = json.loads(path.read_text()) if path.exists() else {}
+    record = {"label": point.label, "arch": point.arch, "minutes": point.minutes, "seed": point.seed}
+    record["load_average"] = kept.get("load_average", {}) | loads
+    folder = finished_run(args.base_dir, run_name(point, "pretrain"))
+    if folder is not None:
+        record["pretraining_card"] = json.loads((folder / "run_card.json").read_text())
+    for stage, file in (
+        ("blimp", blimp.RESULTS_FILE),
+        ("glue1k", "glue_results.json"),
+        ("glue", "glue_results.json"),
+    ):
+        folder = finished_run(args.base_dir, run_name(point, stage))
+        if folder is not None:
+            record[stage] = json.loads((folder / file).read_text())
+        elif stage in kept:
+            record[stage] = kept[stage]
+    args.keep.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(path, json.dumps(record, indent=1) + "\n")
+
+
+def keep_floor(arch: str, args: argparse.Namespace) -> None:
+    """floor-<arch>.json: BLiMP of three random-weight twins of the architecture's 0-minute run."""
+    path = args.keep / f"floor-{arch}.json"
+    zero = next(p for p in PLAN if p.arch == arch and p.minutes == 0)
+    folder = finished_run(args.base_dir, run_name(zero, "pretrain"))
+    if path.exists() or folder is None:
+        return
+    print(f"[{time.strftime('%H:%M:%S')}] floor of {arch}: seeds {list(FLOOR_SEEDS)}", flush=True)
+    pairs = blimp.load_pairs(blimp.BlimpConfig(dir=args.blimp_dir))
+    twins = [
+        blimp_score(*random_twin(str(folder / "checkpoint"), s), pairs, "within_word_l2r")
+        for s in FLOOR_SEEDS
+    ]
+    terms = {uid: rows[0]["linguistics_term"] for uid, rows in pairs.items()}
+    figures = {"arch": arch, "seeds": list(FLOOR_SEEDS), "twins": twins}
+    figures["published"] = published(Path(args.blimp_dir), terms)
+    args.keep.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(path, json.dumps(figures, indent=1) + "\n")
+
+
+def run(args: argparse.Namespace) -> None:
+    import torch
+
+    torch.set_num_threads(1)
+    points = [BY_LABEL[label] for label in args.points] if args.points else list(PLAN)
+    for point in points:
+        loads = {}
+        for stage in args.stages:
+            load = run_stage(point, stage, args)
+            if load is not None:
+                loads[stage] = load
+            if stage == "blimp" and point.minutes == 0:
+                keep_floor(point.arch, args)
+        keep_point(point, args, loads)
+
+
+# ---------------------------------------------------------------------------------------------------- report
+
+
+def read_kept(keep: Path) -> tuple[dict[str, dict], dict[str, dict]]:
+    """({point label: record} in the plan's order, {arch: floor figures})."""
+    if not keep.is_dir():
+        raise SystemExit(f"{keep}: no such folder; give the --keep folder `run` wrote")
+    points = {
+        p.label: json.loads((keep / f"{p.label}.json").read_text())
+        for p in PLAN
+        if (keep / f"{p.label}.json").exists()
+    }
+    floors = {
+        path.stem.removeprefix("floor-"): json.loads(path.read_text())
+        for path in sorted(keep.glob("floor-*.json"))
+    }
+    if not points:
+        raise SystemExit(f"{keep}: no point has been measured yet")
+    return points, floors
+
+
+def floor_range(floor: dict, term: str = "overall") -> tuple[float, float, float]:
+    """(mean, min, max) of the random twins, overall or for one phenomenon."""
+    values = [t["overall"] if term == "overall" else t["per_linguistics_term"][term] for t in floor["twins"]]
+    return statistics.mean(values), min(values), max(values)
+
+
+def glue_figure(results: dict | None) -> str:
+    """The five-task average (median over fine-tuning seeds' scores per task) and the range of seed averages."""
+    if results is None:
+        return "–"
+    avg = average(entry_scores(results))
+    seeds = seed_averages(results)
+    if avg is None:
+        return "–"
+    return f"{avg:.1f} [{min(seeds):.1f}, {max(seeds):.1f}]" if seeds else f"{avg:.1f}"
+
+
+def pretraining_figures(record: dict) -> tuple[str, str, str]:
+    """(updates, tokens, held-out MLM loss) from the pretraining run card."""
+    metrics = (record.get("pretraining_card") or {}).get("metrics") or {}
+    updates, tokens, loss = metrics.get("updates"), metrics.get("tokens"), metrics.get("val_loss")
+    return (
+        f"{updates:,}" if updates is not None else "–",
+        ("–" if not tokens else f"{tokens / 1e6:.1f}M" if tokens >= 1e6 else f"{tokens / 1e3:.0f}k"),
+        f"{loss:.2f}" if loss is not None else "–",
+    )
+
+
+def points_table(points: dict[str, dict], floors: dict[str, dict]) -> str:
+    lines = [
+        "| point | CPU-min | updates | tokens | MLM loss | BLiMP | floor (range) | GLUE avg | GLUE avg, 1k ex. | load avg |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for label, record in points.items():
+        floor = floors.get(record["arch"])
+        blimp_overall = f"{record['blimp']['overall']:.1f}" if "blimp" in record else "–"
+        floor_cell = "–" if floor is None else "{:.1f} ({:.1f}–{:.1f})".format(*floor_range(floor))
+        load = record.get("load_average", {}).get("pretrain")
+        load_cell = "–" if load is None else f"{load['mean']:.2f} (max {load['max']:.2f})"
+        lines.append(
+            f"| {label} | {record['minutes']} | {' | '.join(pretraining_figures(record))} | {blimp_overall} | "
+            f"{floor_cell} | {glue_figure(record.get('glue'))} | {glue_figure(record.get('glue1k'))} | "
+            f"{load_cell} |"
+        )
+    return "\n".join(lines)
+
+
+def phenomena_table(points: dict[str, dict], floors: dict[str, dict], arch: str) -> str:
+    """BLiMP by phenomenon for one architecture's points, its floor and the published references."""
+    scored = {label: r["blimp"] for label, r in points.items() if r["arch"] == arch and "blimp" in r}
+    if not scored:
+        return ""
+    floor = floors.get(arch, {})
+    return phenomenon_table(floor.get("twins", []), scored, floor.get("published", {}))
+
+
+def learned_when(points: dict[str, dict], floor: dict, arch: str) -> dict[str, int | None]:
+    """Per phenomenon: the fewest CPU-minutes at which every run of that budget scores above the floor's
+    highest draw, or None when no budget does."""
+    by_minutes: dict[int, list[dict]] = {}
+    for record in points.values():
+        if record["arch"] == arch and "blimp" in record and record["minutes"] > 0:
+            by_minutes.setdefault(record["minutes"], []).append(record["blimp"])
+    out = {}
+    for term in sorted(floor["twins"][0]["per_linguistics_term"]):
+        top = floor_range(floor, term)[2]
+        above = [
+            m
+            for m, runs in sorted(by_minutes.items())
+            if all(r["per_linguistics_term"][term] > top for r in runs)
+        ]
+        out[term] = above[0] if above else None
+    return out
+
+
+def plot(points: dict[str, dict], floors: dict[str, dict], out: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for arch, marker in (("bert-tiny", "o"), ("bert-mini", "s")):
+        rows = [r for r in points.values() if r["arch"] == arch]
+        with_blimp = [r for r in rows if "blimp" in r]
+        if with_blimp:
+            left.plot(
+                [r["minutes"] for r in with_blimp],
+                [r["blimp"]["overall"] for r in with_blimp],
+                marker,
+                label=arch,
+            )
+        if arch in floors:
+            _, low, high = floor_range(floors[arch])
+            left.axhspan(
+                low, high, alpha=0.15, color="grey" if arch == "bert-tiny" else "tan", label=f"{arch} floor"
+            )
+        for key, style in (("glue", "-"), ("glue1k", "--")):
+            xs, ys = [], []
+            for r in sorted(rows, key=lambda r: r["minutes"]):
+                value = average(entry_scores(r[key])) if key in r else None
+                if value is not None:
+                    xs.append(r["minutes"])
+                    ys.append(value)
+            if xs:
+                right.plot(
+                    xs,
+                    ys,
+                    marker + style,
+                    label=f"{arch}, {'1,000 examples' if key == 'glue1k' else 'all data'}",
+                )
+    for name, value in next(iter(floors.values()), {}).get("published", {}).items():
+        if name != "GPT-2":
+            left.axhline(value["overall"], linestyle=":", color="black", linewidth=0.8)
+            left.annotate(name, (120, value["overall"]), fontsize=8, va="bottom", ha="right")
+    left.set(
+        xlabel="CPU-minutes of pretraining",
+        ylabel="BLiMP accuracy (%, mean of 67 paradigms)",
+        title="BLiMP, zero-shot",
+    )
+    right.set(
+        xlabel="CPU-minutes of pretraining",
+        ylabel="GLUE average (five tasks)",
+        title="GLUE dev, eval=glue-small",
+    )
+    for axis in (left, right):
+        axis.set_xlim(-5, 125)
+        axis.set_xticks([0, 15, 30, 60, 120])
+    left.legend(fontsize=8, loc="upper left")
+    right.legend(fontsize=8)
+    fig.tight_layout()
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "budget_curve.png"
+    fig.savefig(path, dpi=120)
+    return path
+
+
+def report(args: argparse.Namespace) -> None:
+    points, floors = read_kept(args.keep)
+    print(points_table(points, floors))
+    for arch in ("bert-tiny", "bert-mini"):
+        table = phenomena_table(points, floors, arch)
+        if table:
+            print(f"\nBLiMP by phenomenon, {arch} (within_word_l2r, all pairs, ties fail):\n\n{table}")
+        if arch in floors:
+            if not any(r["arch"] == arch and r["minutes"] > 0 and "blimp" in r for r in points.values()):
+                continue  # no pretrained point scored yet: nothing can have risen above the floor
+            when = learned_when(points, floors[arch], arch)
+            first = ", ".join(
+                f"{t} ({m} min)" for t, m in sorted(when.items(), key=lambda kv: kv[1] or 1e9) if m
+            )
+            never = ", ".join(t for t, m in when.items() if m is None)
+            print(
+                f"\n{arch}: above the floor's highest draw in every run of a budget: {first or 'none'}; never: {never or 'none'}"
+            )
+    if args.out:
+        print(f"\nplot: {plot(points, floors, args.out)}")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("action", choices=("run", "report"))
+    parser.add_argument(
+        "--data", help="the folder of the twelve Wikipedia shards (scripts/get_data.py wikipedia)"
+    )
+    parser.add_argument("--glue-dir", help="GLUE's TSV folders (scripts/get_data.py glue)")
+    parser.add_argument("--blimp-dir", help="BLiMP's <UID>.jsonl[.gz] files")
+    parser.add_argument("--points", nargs="+", choices=list(BY_LABEL), help="default: the whole plan")
+    parser.add_argument("--stages", nargs="+", choices=STAGES, default=list(STAGES))
+    parser.add_argument("--base-dir", type=Path, default=Path("outputs"))
+    parser.add_argument("--keep", type=Path, default=Path("results/budget-curve/runs"))
+    parser.add_argument("--out", type=Path, help="report: the folder for budget_curve.png")
+    args = parser.parse_args(argv)
+    if args.action == "run":
+        needs = {"pretrain": "data", "blimp": "blimp_dir", "glue1k": "glue_dir", "glue": "glue_dir"}
+        missing = sorted(
+            {f"--{needs[s].replace('_', '-')}" for s in args.stages if getattr(args, needs[s]) is None}
+        )
+        if missing:
+            parser.error(f"the stages {' '.join(args.stages)} need {' '.join(missing)}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    run(args) if args.action == "run" else report(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,170 @@
+"""scripts/studies/budget_curve.py: the plan runs one stage at a time, skips what is done, and reports from the
+kept figures alone."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from cramming.eval.tasks import GLUE_TASKS
+
+METRIC = {task: GLUE_TASKS[task].metrics[0] for task in ("SST-2", "MRPC", "STS-B", "RTE", "CoLA")}
+TERMS = ("anaphor_agreement", "island_effects", "quantifiers")
+
+
+@pytest.fixture
+def study():
+    return importlib.import_module("scripts.studies.budget_curve")
+
+
+def blimp_result(overall: float, per_term: dict[str, float]) -> dict:
+    return {
+        "overall": overall,
+        "per_linguistics_term": per_term,
+        "pairs": 67000,
+        "variant": "within_word_l2r",
+    }
+
+
+def glue_result(score: float) -> dict:
+    runs = [
+        {"task": task, "seed": seed, "metrics": {task: {METRIC[task]: score + 0.01 * seed}}}
+        for task in METRIC
+        for seed in range(3)
+    ]
+    return {"runs": runs}
+
+
+def finished(base: Path, name: str, files: dict[str, dict]) -> Path:
+    folder = base / name / "2026-12-04_10-00-00"
+    folder.mkdir(parents=True)
+    (folder / "run_card.json").write_text(
+        json.dumps({"status": "ok", "metrics": {"updates": 5, "tokens": 640}})
+    )
+    for file, content in files.items():
+        (folder / file).write_text(json.dumps(content))
+    return folder
+
+
+def args_for(study, tmp_path: Path, *extra: str):
+    return study.parse_args(
+        ["run", "--data", "wiki", "--glue-dir", "glue", "--blimp-dir", "blimp", "--base-dir", str(tmp_path / "out"),
+         "--keep", str(tmp_path / "keep"), *extra]
+    )  # fmt: skip
+
+
+def test_each_point_is_a_recipe_of_the_cpu_study_and_zero_minutes_is_one_update(study):
+    tiny0, tiny15 = study.BY_LABEL["tiny-0"], study.BY_LABEL["tiny-15-s1"]
+    assert tiny0.pretrain_args("d") == [
+        "+sweep=cpu-study", "arch=bert-tiny", "seed=0", "data.sources.local.files=d/train-*-of-00012.jsonl.gz",
+        "budget=1", "train.steps=1",
+    ]  # fmt: skip
+    assert tiny15.pretrain_args("d")[2] == "seed=1" and tiny15.pretrain_args("d")[-1] == "budget=0.25"
+    # the issue's plan: two seeds at 15 and 60 minutes, bert-mini at 0 and 60
+    minutes = sorted((p.arch, p.minutes) for p in study.PLAN)
+    assert minutes.count(("bert-tiny", 15)) == 2 and minutes.count(("bert-tiny", 60)) == 2
+    assert ("bert-mini", 0) in minutes and ("bert-mini", 60) in minutes
+
+
+def test_run_does_only_the_stages_not_done_and_keeps_every_figure(study, tmp_path, monkeypatch):
+    base = tmp_path / "out"
+    finished(base, "budget-curve-tiny-15-s0", {})
+    finished(base, "budget-curve-tiny-15-s0-blimp", {"blimp_results.json": blimp_result(55.0, {})})
+    ran = []
+
+    def fake_run(command, check):
+        ran.append(command)
+        name = next(a.removeprefix("name=") for a in command if a.startswith("name="))
+        finished(base, name, {"glue_results.json": glue_result(0.6)})
+        return subprocess.CompletedProcess(command, 0)
+
+    monkeypatch.setattr(study.subprocess, "run", fake_run)
+    study.run(args_for(study, tmp_path, "--points", "tiny-15-s0", "--stages", "pretrain", "blimp", "glue1k"))
+    assert len(ran) == 1  # pretraining and BLiMP were done already
+    assert "eval.max_train_examples=1000" in ran[0] and "checkpoint=budget-curve-tiny-15-s0" in ran[0]
+    assert "impl.cpu_threads=1" in ran[0]
+    kept = json.loads((tmp_path / "keep" / "tiny-15-s0.json").read_text())
+    assert kept["blimp"]["overall"] == 55.0 and kept["glue1k"]["runs"] and "glue" not in kept
+    assert kept["pretraining_card"]["metrics"]["updates"] == 5
+    assert set(kept["load_average"]) == {"glue1k"}  # only the stage that ran was sampled
+
+
+def test_a_failed_stage_stops_the_study_non_zero(study, tmp_path, monkeypatch):
+    monkeypatch.setattr(
+        study.subprocess, "run", lambda command, check: subprocess.CompletedProcess(command, 3)
+    )
+    with pytest.raises(SystemExit, match="tiny-30 pretrain failed \\(exit 3\\)"):
+        study.run(args_for(study, tmp_path, "--points", "tiny-30", "--stages", "pretrain"))
+
+
+def test_an_evaluation_without_its_pretraining_run_is_refused(study, tmp_path):
+    with pytest.raises(SystemExit, match="run the pretrain stage first"):
+        study.run(args_for(study, tmp_path, "--points", "tiny-30", "--stages", "blimp"))
+
+
+def test_run_names_the_folders_its_stages_need(study):
+    with pytest.raises(SystemExit):
+        study.parse_args(["run", "--stages", "glue"])
+
+
+def write_kept(
+    keep: Path, label: str, minutes: int, blimp: dict, glue: float, arch: str = "bert-tiny"
+) -> None:
+    keep.mkdir(parents=True, exist_ok=True)
+    record = {"label": label, "arch": arch, "minutes": minutes, "seed": 0, "blimp": blimp,
+              "glue1k": glue_result(glue), "load_average": {"pretrain": {"mean": 1.02, "max": 1.3, "samples": 4}},
+              "pretraining_card": {"metrics": {"updates": 1629, "tokens": 13_000_000, "val_loss": 4.77}}}  # fmt: skip
+    (keep / f"{label}.json").write_text(json.dumps(record))
+
+
+def test_the_report_says_what_rises_beyond_the_floor_first_and_what_never_does(study, tmp_path, capsys):
+    keep = tmp_path / "keep"
+    twins = [
+        blimp_result(50 + s, {"anaphor_agreement": 40 + s, "island_effects": 50 + s, "quantifiers": 30 + s})
+        for s in range(3)
+    ]  # floor ranges: anaphor 40-42, islands 50-52, quantifiers 30-32
+    published = {"5-gram": {"overall": 61.2}, "LSTM": {"overall": 69.8}}
+    (keep / "floor-bert-tiny.json").parent.mkdir(parents=True)
+    (keep / "floor-bert-tiny.json").write_text(json.dumps({"twins": twins, "published": published}))
+    # quantifiers clear 32 in both 15-minute runs; anaphor agreement in one of them only, then at 60; islands never
+    write_kept(
+        keep,
+        "tiny-15-s0",
+        15,
+        blimp_result(53, {"anaphor_agreement": 43, "island_effects": 49, "quantifiers": 40}),
+        0.6,
+    )
+    write_kept(
+        keep,
+        "tiny-15-s1",
+        15,
+        blimp_result(52, {"anaphor_agreement": 41, "island_effects": 53, "quantifiers": 35}),
+        0.6,
+    )
+    write_kept(
+        keep,
+        "tiny-60-s0",
+        60,
+        blimp_result(56, {"anaphor_agreement": 50, "island_effects": 45, "quantifiers": 45}),
+        0.62,
+    )
+    study.report(study.parse_args(["report", "--keep", str(keep), "--out", str(tmp_path / "plot")]))
+    out = capsys.readouterr().out
+    assert "quantifiers (15 min), anaphor_agreement (60 min); never: island_effects" in out
+    # the points table: pretraining figures from the card, BLiMP against the floor, the 1k-example GLUE average
+    assert (
+        "| tiny-15-s0 | 15 | 1,629 | 13.0M | 4.77 | 53.0 | 51.0 (50.0–52.0) | – | 61.0 [60.0, 62.0] |" in out
+    )
+    assert "1.02 (max 1.30)" in out
+    assert "| **overall** | 51.0 (50.0–52.0) | 53.0 | 52.0 | 56.0 | 61.2 | 69.8 |" in out
+    assert (tmp_path / "plot" / "budget_curve.png").stat().st_size > 0
+
+
+def test_the_report_refuses_an_empty_keep_folder(study, tmp_path):
+    (tmp_path / "keep").mkdir()
+    with pytest.raises(SystemExit, match="no point has been measured yet"):
+        study.report(study.parse_args(["report", "--keep", str(tmp_path / "keep")]))
