@@ -284,6 +284,27 @@ def points_table(points: dict[str, dict], floors: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
+def glue_tasks_table(points: dict[str, dict], keep: Path, key: str = "glue1k") -> str:
+    """Per task: the median over fine-tuning seeds ± half their range, for each point that has `key`, and for the
+    reference checkpoints kept beside them (reference-<name>-<key>.json)."""
+    rows = {label: r[key] for label, r in points.items() if r.get(key)}
+    for path in sorted(keep.glob(f"reference-*-{key}.json")):
+        rows[path.stem.removeprefix("reference-").removesuffix(f"-{key}")] = json.loads(path.read_text())
+    if not rows:
+        return ""
+    tasks = ("SST-2", "CoLA", "STS-B", "MRPC", "RTE")
+    lines = [f"| model | {' | '.join(tasks)} | Avg |", "|---|" + "---|" * (len(tasks) + 1)]
+    for label, results in rows.items():
+        scores = entry_scores(results)
+        cells = [
+            f"{100 * scores[t].median:.1f} ±{50 * scores[t].spread:.1f}" if t in scores else "–"
+            for t in tasks
+        ]
+        avg = average(scores)
+        lines.append(f"| {label} | {' | '.join(cells)} | {'–' if avg is None else f'{avg:.1f}'} |")
+    return "\n".join(lines)
+
+
 def phenomena_table(points: dict[str, dict], floors: dict[str, dict], arch: str) -> str:
     """BLiMP by phenomenon for one architecture's points, its floor and the published references."""
     scored = {label: r["blimp"] for label, r in points.items() if r["arch"] == arch and "blimp" in r}
@@ -377,6 +398,11 @@ def plot(points: dict[str, dict], floors: dict[str, dict], out: Path) -> Path:
 def report(args: argparse.Namespace) -> None:
     points, floors = read_kept(args.keep)
     print(points_table(points, floors))
+    tasks = glue_tasks_table(points, args.keep)
+    if tasks:
+        print(
+            f"\nGLUE with 1,000 training examples per task (median over fine-tuning seeds ± half the range):\n\n{tasks}"
+        )
     for arch in ("bert-tiny", "bert-mini"):
         table = phenomena_table(points, floors, arch)
         if table:
