@@ -356,18 +356,25 @@ def plot(points: dict[str, dict], floors: dict[str, dict], out: Path) -> Path:
                 low, high, alpha=0.15, color="grey" if arch == "bert-tiny" else "tan", label=f"{arch} floor"
             )
         for key, style in (("glue", "-"), ("glue1k", "--")):
-            xs, ys = [], []
-            for r in sorted(rows, key=lambda r: r["minutes"]):
+            # each pretraining run a marker; the line through the mean of a budget's runs
+            by_minutes: dict[int, list[float]] = {}
+            for r in rows:
                 value = average(entry_scores(r[key])) if key in r else None
                 if value is not None:
-                    xs.append(r["minutes"])
-                    ys.append(value)
-            if xs:
-                right.plot(
+                    by_minutes.setdefault(r["minutes"], []).append(value)
+            if by_minutes:
+                xs = sorted(by_minutes)
+                (line,) = right.plot(
                     xs,
-                    ys,
-                    marker + style,
+                    [statistics.mean(by_minutes[x]) for x in xs],
+                    style,
                     label=f"{arch}, {'1,000 examples' if key == 'glue1k' else 'all data'}",
+                )
+                right.plot(
+                    [x for x in xs for _ in by_minutes[x]],
+                    [v for x in xs for v in by_minutes[x]],
+                    marker,
+                    color=line.get_color(),
                 )
     for name, value in next(iter(floors.values()), {}).get("published", {}).items():
         if name != "GPT-2":
