@@ -31,9 +31,8 @@ def data_dir(*parts: str) -> Path:
     the variable is unset or the path is not there."""
     root = os.environ.get(DATA_ENV)
     if not root:
-        wanted = Path(*parts) if parts else "its data"
         pytest.skip(
-            f"{DATA_ENV} is not set: this test reads {wanted} from the folder it names; set it to run this"
+            f"{DATA_ENV} is not set: this test reads {Path(*parts)} from the folder it names; set it to run this"
         )
     path = Path(root).expanduser().resolve().joinpath(*parts)
     if not path.exists():
