@@ -45,7 +45,7 @@ from cramming.utils import atomic_write_text, newest_run_dir
 from scripts.studies.blimp_study import published, random_twin
 from scripts.studies.blimp_study import score as blimp_score
 from scripts.studies.blimp_study import table as phenomenon_table
-from scripts.studies.cpu_study import average, entry_scores, seed_averages
+from scripts.studies.cpu_study import TASKS, average, cell, entry_scores, seed_averages
 
 STAGES = ("pretrain", "blimp", "glue1k", "glue")
 FLOOR_SEEDS = (0, 1, 2)
@@ -284,22 +284,18 @@ def points_table(points: dict[str, dict], floors: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
-def glue_tasks_table(points: dict[str, dict], keep: Path, key: str = "glue1k") -> str:
-    """Per task: the median over fine-tuning seeds ± half their range, for each point that has `key`, and for the
-    reference checkpoints kept beside them (reference-<name>-<key>.json)."""
-    rows = {label: r[key] for label, r in points.items() if r.get(key)}
-    for path in sorted(keep.glob(f"reference-*-{key}.json")):
-        rows[path.stem.removeprefix("reference-").removesuffix(f"-{key}")] = json.loads(path.read_text())
+def glue_tasks_table(points: dict[str, dict], keep: Path) -> str:
+    """GLUE with 1,000 examples per task: the median over fine-tuning seeds [lowest, highest], for each point
+    and for the reference checkpoints kept beside them (reference-<name>-glue1k.json)."""
+    rows = {label: r["glue1k"] for label, r in points.items() if r.get("glue1k")}
+    for path in sorted(keep.glob("reference-*-glue1k.json")):
+        rows[path.stem.removeprefix("reference-").removesuffix("-glue1k")] = json.loads(path.read_text())
     if not rows:
         return ""
-    tasks = ("SST-2", "CoLA", "STS-B", "MRPC", "RTE")
-    lines = [f"| model | {' | '.join(tasks)} | Avg |", "|---|" + "---|" * (len(tasks) + 1)]
+    lines = [f"| model | {' | '.join(TASKS)} | Avg |", "|---|" + "---|" * (len(TASKS) + 1)]
     for label, results in rows.items():
         scores = entry_scores(results)
-        cells = [
-            f"{100 * scores[t].median:.1f} ±{50 * scores[t].spread:.1f}" if t in scores else "–"
-            for t in tasks
-        ]
+        cells = [cell(scores.get(t)) for t in TASKS]
         avg = average(scores)
         lines.append(f"| {label} | {' | '.join(cells)} | {'–' if avg is None else f'{avg:.1f}'} |")
     return "\n".join(lines)
@@ -408,7 +404,7 @@ def report(args: argparse.Namespace) -> None:
     tasks = glue_tasks_table(points, args.keep)
     if tasks:
         print(
-            f"\nGLUE with 1,000 training examples per task (median over fine-tuning seeds ± half the range):\n\n{tasks}"
+            f"\nGLUE with 1,000 training examples per task (median over fine-tuning seeds [lowest, highest]):\n\n{tasks}"
         )
     for arch in ("bert-tiny", "bert-mini"):
         table = phenomena_table(points, floors, arch)
