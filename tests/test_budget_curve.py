@@ -168,6 +168,32 @@ def test_the_report_says_what_rises_beyond_the_floor_first_and_what_never_does(s
     )
     assert "| **overall** | 51.0 (50.0–52.0) | 53.0 | 52.0 | 56.0 | 61.2 | 69.8 |" in out
     assert (tmp_path / "plot" / "budget_curve.png").stat().st_size > 0
+    # the goals, judged from the same figures: the two 15-minute runs (53, 52) set the spread
+    assert "- BLiMP spread of two runs of one budget: 1.0 (largest of: 15 min 1.0)" in out
+    assert "- BLiMP 15 -> 60 min: +3.5 (means of 2 and 1 runs), beyond the spread" in out
+    assert "- BLiMP at 60 min: lowest run 56.0, 4.0 above the floor's highest draw (52.0)" in out
+
+
+def test_a_step_within_the_spread_and_a_run_inside_the_floor_are_said_so(study):
+    def point(minutes, overall, glue=None):
+        record = {"arch": "bert-tiny", "minutes": minutes, "blimp": blimp_result(overall, {})}
+        return record | ({"glue1k": glue_result(glue)} if glue is not None else {})
+
+    points = {
+        "a": point(0, 49.0, glue=0.40), "b": point(15, 52.0), "c": point(15, 54.0),
+        "d": point(60, 53.5, glue=0.43), "e": point(60, 55.5, glue=0.45),
+    }  # fmt: skip
+    floors = {"bert-tiny": {"twins": [blimp_result(v, {}) for v in (48.0, 50.0, 54.0)]}}
+    lines = study.goals(points, floors, "bert-tiny")
+    assert lines[0] == "BLiMP spread of two runs of one budget: 2.0 (largest of: 15 min 2.0, 60 min 2.0)"
+    assert lines[1] == "BLiMP 15 -> 60 min: +1.5 (means of 2 and 2 runs), NOT beyond the spread"
+    assert lines[2] == "BLiMP at 60 min: lowest run 53.5, 0.5 short of the floor's highest draw (54.0)"
+    # GLUE's average is in points (scores x 100); the 60-minute mean 44.01 against 40.01 falls short of +5
+    assert lines[3].startswith("GLUE, 1,000 examples: 60 min +4.0 over no pretraining (2 run(s) at 60 min)")
+    assert lines[3].endswith("goal >= +5 NOT met")
+    # one run per budget: no spread to judge a step by, and none is claimed
+    single = {"b": point(15, 52.0), "d": point(60, 55.0)}
+    assert study.goals(single, {}, "bert-tiny")[0].startswith("BLiMP steps: no budget has two runs yet")
 
 
 def test_the_report_refuses_an_empty_keep_folder(study, tmp_path):

@@ -24,12 +24,14 @@ sampled and stored beside it, so a loaded run shows.
 
 `report` reads --keep alone: one table (per point: updates, tokens, held-out MLM loss, BLiMP overall against
 its floor, GLUE average with all data and with 1,000 examples), BLiMP by phenomenon, which phenomena rise
-beyond the floor's range first and which never do, and one plot (budget_curve.png under --out).
+beyond the floor's range first and which never do, the issue's goals judged from these figures (each
+BLiMP step against the spread of two runs of one budget), and one plot (budget_curve.png under --out).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -37,6 +39,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -329,6 +332,55 @@ def learned_when(points: dict[str, dict], floor: dict, arch: str) -> dict[str, i
     return out
 
 
+def by_budget(
+    points: dict[str, dict], arch: str, value: Callable[[dict], float | None]
+) -> dict[int, list[float]]:
+    """{CPU-minutes: the value of each run of that budget} for one architecture, budgets in increasing order."""
+    out: dict[int, list[float]] = {}
+    for record in points.values():
+        v = value(record) if record["arch"] == arch else None
+        if v is not None:
+            out.setdefault(record["minutes"], []).append(v)
+    return dict(sorted(out.items()))
+
+
+def goals(points: dict[str, dict], floors: dict[str, dict], arch: str) -> list[str]:
+    """The issue's goals, judged from the kept figures: BLiMP rises with the budget, each step beyond the
+    spread of two pretraining runs of one budget; the longest budget above the floor's highest draw; GLUE with
+    1,000 examples at least 5 points above no pretraining after one CPU-hour."""
+    lines = []
+    blimp_runs = by_budget(points, arch, lambda r: r["blimp"]["overall"] if "blimp" in r else None)
+    repeated = {m: max(v) - min(v) for m, v in blimp_runs.items() if len(v) > 1}
+    spread = max(repeated.values(), default=None)
+    pretrained = [m for m in blimp_runs if m > 0]
+    if spread is None:
+        lines.append("BLiMP steps: no budget has two runs yet, so no spread to judge a step against")
+    else:
+        within = ", ".join(f"{m} min {v:.1f}" for m, v in repeated.items())
+        lines.append(f"BLiMP spread of two runs of one budget: {spread:.1f} (largest of: {within})")
+        for low, high in itertools.pairwise(pretrained):
+            step = statistics.mean(blimp_runs[high]) - statistics.mean(blimp_runs[low])
+            verdict = "beyond the spread" if step > spread else "NOT beyond the spread"
+            lines.append(f"BLiMP {low} -> {high} min: {step:+.1f} (means of {len(blimp_runs[low])} and"
+                         f" {len(blimp_runs[high])} runs), {verdict}")  # fmt: skip
+    if pretrained and arch in floors:
+        longest, top = pretrained[-1], floor_range(floors[arch])[2]
+        margin = min(blimp_runs[longest]) - top
+        lines.append(
+            f"BLiMP at {longest} min: lowest run {min(blimp_runs[longest]):.1f}, "
+            + (f"{margin:.1f} above" if margin > 0 else f"{-margin:.1f} short of")
+            + f" the floor's highest draw ({top:.1f})"
+        )
+    glue1k = by_budget(points, arch, lambda r: average(entry_scores(r["glue1k"])) if "glue1k" in r else None)
+    if 0 in glue1k and 60 in glue1k:
+        gain = statistics.mean(glue1k[60]) - statistics.mean(glue1k[0])
+        lines.append(
+            f"GLUE, 1,000 examples: 60 min {gain:+.1f} over no pretraining ({len(glue1k[60])} run(s) at 60 min),"
+            f" goal >= +5 {'met' if gain >= 5 else 'NOT met'}"
+        )
+    return lines
+
+
 def plot(points: dict[str, dict], floors: dict[str, dict], out: Path) -> Path:
     import matplotlib
 
@@ -421,6 +473,9 @@ def report(args: argparse.Namespace) -> None:
             print(
                 f"\n{arch}: above the floor's highest draw in every run of a budget: {first or 'none'}; never: {never or 'none'}"
             )
+        judged = goals(points, floors, arch)
+        if judged and any(r["arch"] == arch and r["minutes"] > 0 for r in points.values()):
+            print(f"\n{arch}, the goals:\n" + "\n".join(f"- {line}" for line in judged))
     if args.out:
         print(f"\nplot: {plot(points, floors, args.out)}")
 
