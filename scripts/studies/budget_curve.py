@@ -381,6 +381,17 @@ def goals(points: dict[str, dict], floors: dict[str, dict], arch: str) -> list[s
     return lines
 
 
+def curve(axis, runs: dict[int, list[float]], marker: str, style: str, label: str) -> None:
+    """A line through each budget's mean, and a marker per run (two seeds of one budget do not zig-zag it)."""
+    if not runs:
+        return
+    xs = list(runs)
+    (line,) = axis.plot(xs, [statistics.mean(runs[x]) for x in xs], style, label=label)
+    axis.plot(
+        [x for x in xs for _ in runs[x]], [v for x in xs for v in runs[x]], marker, color=line.get_color()
+    )
+
+
 def plot(points: dict[str, dict], floors: dict[str, dict], out: Path) -> Path:
     import matplotlib
 
@@ -389,41 +400,16 @@ def plot(points: dict[str, dict], floors: dict[str, dict], out: Path) -> Path:
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
     for arch, marker in (("bert-tiny", "o"), ("bert-mini", "s")):
-        rows = [r for r in points.values() if r["arch"] == arch]
-        with_blimp = [r for r in rows if "blimp" in r]
-        if with_blimp:
-            left.plot(
-                [r["minutes"] for r in with_blimp],
-                [r["blimp"]["overall"] for r in with_blimp],
-                marker,
-                label=arch,
-            )
+        blimp_runs = by_budget(points, arch, lambda r: r["blimp"]["overall"] if "blimp" in r else None)
+        curve(left, blimp_runs, marker, "-", arch)
         if arch in floors:
             _, low, high = floor_range(floors[arch])
             left.axhspan(
                 low, high, alpha=0.15, color="grey" if arch == "bert-tiny" else "tan", label=f"{arch} floor"
             )
-        for key, style in (("glue", "-"), ("glue1k", "--")):
-            # each pretraining run a marker; the line through the mean of a budget's runs
-            by_minutes: dict[int, list[float]] = {}
-            for r in rows:
-                value = average(entry_scores(r[key])) if key in r else None
-                if value is not None:
-                    by_minutes.setdefault(r["minutes"], []).append(value)
-            if by_minutes:
-                xs = sorted(by_minutes)
-                (line,) = right.plot(
-                    xs,
-                    [statistics.mean(by_minutes[x]) for x in xs],
-                    style,
-                    label=f"{arch}, {'1,000 examples' if key == 'glue1k' else 'all data'}",
-                )
-                right.plot(
-                    [x for x in xs for _ in by_minutes[x]],
-                    [v for x in xs for v in by_minutes[x]],
-                    marker,
-                    color=line.get_color(),
-                )
+        for key, style, data in (("glue", "-", "all data"), ("glue1k", "--", "1,000 examples")):
+            runs = by_budget(points, arch, lambda r, k=key: average(entry_scores(r[k])) if k in r else None)
+            curve(right, runs, marker, style, f"{arch}, {data}")
     for name, value in next(iter(floors.values()), {}).get("published", {}).items():
         if name != "GPT-2":
             left.axhline(value["overall"], linestyle=":", color="black", linewidth=0.8)
