@@ -42,6 +42,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from cramming.eval import blimp
 from cramming.utils import atomic_write_text, newest_run_dir
@@ -313,30 +314,9 @@ def phenomena_table(points: dict[str, dict], floors: dict[str, dict], arch: str)
     return phenomenon_table(floor.get("twins", []), scored, floor.get("published", {}))
 
 
-def learned_when(points: dict[str, dict], floor: dict, arch: str) -> dict[str, int | None]:
-    """Per phenomenon: the fewest CPU-minutes at which every run of that budget scores above the floor's
-    highest draw, or None when no budget does."""
-    by_minutes: dict[int, list[dict]] = {}
-    for record in points.values():
-        if record["arch"] == arch and "blimp" in record and record["minutes"] > 0:
-            by_minutes.setdefault(record["minutes"], []).append(record["blimp"])
-    out = {}
-    for term in sorted(floor["twins"][0]["per_linguistics_term"]):
-        top = floor_range(floor, term)[2]
-        above = [
-            m
-            for m, runs in sorted(by_minutes.items())
-            if all(r["per_linguistics_term"][term] > top for r in runs)
-        ]
-        out[term] = above[0] if above else None
-    return out
-
-
-def by_budget(
-    points: dict[str, dict], arch: str, value: Callable[[dict], float | None]
-) -> dict[int, list[float]]:
+def by_budget(points: dict[str, dict], arch: str, value: Callable[[dict], Any]) -> dict[int, list]:
     """{CPU-minutes: the value of each run of that budget} for one architecture, budgets in increasing order."""
-    out: dict[int, list[float]] = {}
+    out: dict[int, list] = {}
     for record in points.values():
         v = value(record) if record["arch"] == arch else None
         if v is not None:
@@ -344,12 +324,33 @@ def by_budget(
     return dict(sorted(out.items()))
 
 
+def blimp_overall(record: dict) -> float | None:
+    return record["blimp"]["overall"] if "blimp" in record else None
+
+
+def glue_average(record: dict, key: str) -> float | None:
+    """The five-task GLUE average of stage `key` (glue or glue1k), None when it has not run."""
+    return average(entry_scores(record[key])) if key in record else None
+
+
+def learned_when(points: dict[str, dict], floor: dict, arch: str) -> dict[str, int | None]:
+    """Per phenomenon: the fewest CPU-minutes at which every run of that budget scores above the floor's
+    highest draw, or None when no budget does."""
+    scored = by_budget(points, arch, lambda r: r.get("blimp") if r["minutes"] > 0 else None)
+    out = {}
+    for term in sorted(floor["twins"][0]["per_linguistics_term"]):
+        top = floor_range(floor, term)[2]
+        above = [m for m, runs in scored.items() if all(r["per_linguistics_term"][term] > top for r in runs)]
+        out[term] = above[0] if above else None
+    return out
+
+
 def goals(points: dict[str, dict], floors: dict[str, dict], arch: str) -> list[str]:
     """The issue's goals, judged from the kept figures: BLiMP rises with the budget, each step beyond the
     spread of two pretraining runs of one budget; the longest budget above the floor's highest draw; GLUE with
     1,000 examples at least 5 points above no pretraining after one CPU-hour."""
     lines = []
-    blimp_runs = by_budget(points, arch, lambda r: r["blimp"]["overall"] if "blimp" in r else None)
+    blimp_runs = by_budget(points, arch, blimp_overall)
     repeated = {m: max(v) - min(v) for m, v in blimp_runs.items() if len(v) > 1}
     spread = max(repeated.values(), default=None)
     pretrained = [m for m in blimp_runs if m > 0]
@@ -371,7 +372,7 @@ def goals(points: dict[str, dict], floors: dict[str, dict], arch: str) -> list[s
             + (f"{margin:.1f} above" if margin > 0 else f"{-margin:.1f} short of")
             + f" the floor's highest draw ({top:.1f})"
         )
-    glue1k = by_budget(points, arch, lambda r: average(entry_scores(r["glue1k"])) if "glue1k" in r else None)
+    glue1k = by_budget(points, arch, lambda r: glue_average(r, "glue1k"))
     if 0 in glue1k and 60 in glue1k:
         gain = statistics.mean(glue1k[60]) - statistics.mean(glue1k[0])
         lines.append(
@@ -400,15 +401,14 @@ def plot(points: dict[str, dict], floors: dict[str, dict], out: Path) -> Path:
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
     for arch, marker in (("bert-tiny", "o"), ("bert-mini", "s")):
-        blimp_runs = by_budget(points, arch, lambda r: r["blimp"]["overall"] if "blimp" in r else None)
-        curve(left, blimp_runs, marker, "-", arch)
+        curve(left, by_budget(points, arch, blimp_overall), marker, "-", arch)
         if arch in floors:
             _, low, high = floor_range(floors[arch])
             left.axhspan(
                 low, high, alpha=0.15, color="grey" if arch == "bert-tiny" else "tan", label=f"{arch} floor"
             )
         for key, style, data in (("glue", "-", "all data"), ("glue1k", "--", "1,000 examples")):
-            runs = by_budget(points, arch, lambda r, k=key: average(entry_scores(r[k])) if k in r else None)
+            runs = by_budget(points, arch, lambda r, k=key: glue_average(r, k))
             curve(right, runs, marker, style, f"{arch}, {data}")
     for name, value in next(iter(floors.values()), {}).get("published", {}).items():
         if name != "GPT-2":
