@@ -25,7 +25,7 @@ def blimp_result(overall: float, per_term: dict[str, float]) -> dict:
     return {
         "overall": overall,
         "per_linguistics_term": per_term,
-        "pairs": 67000,
+        "pairs_scored": 67000,
         "variant": "within_word_l2r",
     }
 
@@ -65,7 +65,7 @@ def test_each_point_is_a_recipe_of_the_cpu_study_and_zero_minutes_is_one_update(
     ]  # fmt: skip
     assert tiny15.pretrain_args("d")[2] == "seed=1" and tiny15.pretrain_args("d")[-1] == "budget=0.25"
     # the plan: two seeds at 15 and 60 minutes, bert-mini at 0 and 60
-    minutes = sorted((p.arch, p.minutes) for p in study.PLAN)
+    minutes = sorted((p.arch, p.minutes) for p in study.PLAN if not p.overrides)
     assert minutes.count(("bert-tiny", 15)) == 2 and minutes.count(("bert-tiny", 60)) == 2
     assert ("bert-mini", 0) in minutes and ("bert-mini", 60) in minutes
 
@@ -91,6 +91,40 @@ def test_run_does_only_the_stages_not_done_and_keeps_every_figure(study, tmp_pat
     assert kept["blimp"]["overall"] == 55.0 and kept["glue1k"]["runs"] and "glue" not in kept
     assert kept["pretraining_card"]["metrics"]["updates"] == 5
     assert set(kept["load_average"]) == {"glue1k"}  # only the stage that ran was sampled
+
+
+def test_a_blimp_subset_names_its_runs_and_is_scored_on_the_same_pairs_as_the_floor(study, tmp_path):
+    args = args_for(study, tmp_path, "--blimp-pairs", "200")
+    command = study.stage_command(study.BY_LABEL["mini-60"], "blimp", args)
+    assert "blimp.pairs_per_paradigm=200" in command and "name=budget-curve-mini-60-blimp200" in command
+    assert "name=budget-curve-mini-60-blimp" in study.stage_command(
+        study.BY_LABEL["mini-60"], "blimp", args_for(study, tmp_path)
+    )
+    subset = blimp_result(55.0, {}) | {"pairs_scored": 13_400}
+    point = {"m": {"arch": "bert-mini", "minutes": 60, "blimp": subset}}
+    assert (
+        study.pairs_note(point, {"twins": [subset] * 3}, "bert-mini")
+        == "the first 200 pairs of each paradigm"
+    )
+    assert study.pairs_note(point, {"twins": [blimp_result(50.0, {})]}, "bert-mini").startswith(
+        "NOT COMPARABLE"
+    )
+
+
+def test_a_recipe_change_is_judged_beside_the_curve_not_on_it(study):
+    change = study.BY_LABEL["tiny-60-mask15"]
+    assert change.pretrain_args("d")[-2:] == ["budget=1", "train.mlm.mask_fraction=0.15"]
+
+    def point(overall, updates, overrides=None):
+        record = {"arch": "bert-tiny", "minutes": 60, "blimp": blimp_result(overall, {}),
+                  "pretraining_card": {"metrics": {"updates": updates}}}  # fmt: skip
+        return record | ({"overrides": overrides} if overrides else {})
+
+    points = {"s0": point(54.0, 100), "s1": point(55.0, 110), "m15": point(57.0, 120, ["m=0.15"])}
+    assert study.by_budget(points, "bert-tiny", study.blimp_overall) == {60: [54.0, 55.0]}
+    assert study.recipe_changes(points) == [
+        "m15 (m=0.15): BLiMP 57.0 against 54.0–55.0 (+2.5); updates 120 against 100–110 (+15)"
+    ]
 
 
 def test_a_failed_stage_stops_the_study_non_zero(study, tmp_path, monkeypatch):
