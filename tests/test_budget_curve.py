@@ -26,6 +26,7 @@ def blimp_result(overall: float, per_term: dict[str, float]) -> dict:
         "overall": overall,
         "per_linguistics_term": per_term,
         "pairs_scored": 67000,
+        "paradigms": 67,
         "variant": "within_word_l2r",
     }
 
@@ -109,6 +110,8 @@ def test_a_blimp_subset_names_its_runs_and_is_scored_on_the_same_pairs_as_the_fl
     assert study.pairs_note(point, {"twins": [blimp_result(50.0, {})]}, "bert-mini").startswith(
         "NOT COMPARABLE"
     )
+    assert study.blimp_cell(subset) == "55.0 (200 pairs/paradigm)"
+    assert study.blimp_cell(blimp_result(55.04, {})) == "55.0"
 
 
 def test_a_recipe_change_is_judged_beside_the_curve_not_on_it(study):

@@ -286,6 +286,15 @@ def pretraining_figures(record: dict) -> tuple[str, str, str]:
     )
 
 
+def blimp_cell(results: dict | None) -> str:
+    """BLiMP overall; a subset says how many pairs of each paradigm it scored (it is not the full set's mean)."""
+    if results is None:
+        return "–"
+    per_paradigm = results["pairs_scored"] // results["paradigms"]
+    subset = "" if per_paradigm >= 1000 else f" ({per_paradigm} pairs/paradigm)"
+    return f"{results['overall']:.1f}{subset}"
+
+
 def points_table(points: dict[str, dict], floors: dict[str, dict]) -> str:
     lines = [
         "| point | CPU-min | updates | tokens | MLM loss | BLiMP | floor (range) | GLUE avg | GLUE avg, 1k ex. | load avg |",
@@ -293,7 +302,7 @@ def points_table(points: dict[str, dict], floors: dict[str, dict]) -> str:
     ]
     for label, record in points.items():
         floor = floors.get(record["arch"])
-        blimp_overall = f"{record['blimp']['overall']:.1f}" if "blimp" in record else "–"
+        blimp_overall = blimp_cell(record.get("blimp"))
         floor_cell = "–" if floor is None else "{:.1f} ({:.1f}–{:.1f})".format(*floor_range(floor))
         load = record.get("load_average", {}).get("pretrain")
         load_cell = "–" if load is None else f"{load['mean']:.2f} (max {load['max']:.2f})"
