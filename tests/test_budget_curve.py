@@ -66,7 +66,7 @@ def test_each_point_is_a_recipe_of_the_cpu_study_and_zero_minutes_is_one_update(
     ]  # fmt: skip
     assert tiny15.pretrain_args("d")[2] == "seed=1" and tiny15.pretrain_args("d")[-1] == "budget=0.25"
     # the plan: two seeds at 15 and 60 minutes, bert-mini at 0 and 60
-    minutes = sorted((p.arch, p.minutes) for p in study.PLAN if not p.overrides)
+    minutes = sorted((p.arch, p.minutes) for p in study.PLAN if p.on_curve and not p.overrides)
     assert minutes.count(("bert-tiny", 15)) == 2 and minutes.count(("bert-tiny", 60)) == 2
     assert ("bert-mini", 0) in minutes and ("bert-mini", 60) in minutes
 
@@ -114,19 +114,30 @@ def test_a_blimp_subset_names_its_runs_and_is_scored_on_the_same_pairs_as_the_fl
     assert study.blimp_cell(blimp_result(55.04, {})) == "55.0"
 
 
-def test_a_recipe_change_is_judged_beside_the_curve_not_on_it(study):
+def test_a_recipe_change_is_judged_beside_the_curve_on_its_own_machine(study):
     change = study.BY_LABEL["tiny-60-mask15"]
     assert change.pretrain_args("d")[-2:] == ["budget=1", "train.mlm.mask_fraction=0.15"]
 
-    def point(overall, updates, overrides=None):
+    def point(overall, updates, overrides=None, cpu="AMD EPYC", dtype="float32", **extra):
+        device = {"cpu": cpu, "precision": {"dtype": dtype}}
         record = {"arch": "bert-tiny", "minutes": 60, "blimp": blimp_result(overall, {}),
-                  "pretraining_card": {"metrics": {"updates": updates}}}  # fmt: skip
-        return record | ({"overrides": overrides} if overrides else {})
+                  "pretraining_card": {"metrics": {"updates": updates}, "device": device}}  # fmt: skip
+        return record | ({"overrides": overrides} if overrides else {}) | extra
 
-    points = {"s0": point(54.0, 100), "s1": point(55.0, 110), "m15": point(57.0, 120, ["m=0.15"])}
+    points = {
+        "s0": point(54.0, 100),
+        "s1": point(55.0, 110),
+        "m15": point(57.0, 120, ["m=0.15"]),
+        # on a faster CPU: the change is judged against the control beside it, and neither joins the curve
+        "ctl": point(56.0, 200, cpu="Xeon", dtype="bfloat16", on_curve=False),
+        "cls": point(58.0, 190, ["row=cls"], cpu="Xeon", dtype="bfloat16"),
+        "alone": point(60.0, 300, ["x=1"], cpu="Other"),
+    }
     assert study.by_budget(points, "bert-tiny", study.blimp_overall) == {60: [54.0, 55.0]}
     assert study.recipe_changes(points) == [
-        "m15 (m=0.15): BLiMP 57.0 against 54.0–55.0 (+2.5); updates 120 against 100–110 (+15)"
+        "m15 (m=0.15; AMD EPYC, float32): BLiMP 57.0 against 54.0–55.0 (+2.5); updates 120 against 100–110 (+15)",
+        "cls (row=cls; Xeon, bfloat16): BLiMP 58.0 against 56.0 (+2.0); updates 190 against 200 (-10)",
+        "alone (x=1; Other, float32): no run of the study's recipe of this arch and budget on this machine yet",
     ]
 
 

@@ -64,6 +64,7 @@ class Point:
     minutes: int  # 0: one update at the warm-up rate (train.steps=1)
     seed: int = 0
     overrides: tuple[str, ...] = ()  # a change to the study's recipe, judged against the same arch and budget
+    on_curve: bool = True  # False: a control, the study's recipe kept off the curve (see PLAN)
 
     def pretrain_args(self, data: str) -> list[str]:
         args = [
@@ -90,6 +91,13 @@ PLAN = (
     # BERT's 15% masking instead of cramming's 25%: more context per prediction, as pseudo-log-likelihood
     # scoring has (one token masked), at 40% fewer predictions per update.
     Point("tiny-60-mask15", "bert-tiny", 60, overrides=("train.mlm.mask_fraction=0.15",)),
+    # Rows that begin with [CLS], as BLiMP's sentences and GLUE's inputs do: with the study's rows (row_start
+    # none) the model never reads [CLS] in pretraining; its (tied) embedding learns only that [CLS] is never the
+    # masked word, and every scored sentence starts with it.
+    Point("tiny-60-cls", "bert-tiny", 60, overrides=("data.row_start=cls",)),
+    # The study's recipe run beside a recipe change on a machine other than the curve's (a CPU with native
+    # bf16 makes about twice the updates a minute): what that change is judged against there.
+    Point("tiny-60-control", "bert-tiny", 60, on_curve=False),
 )
 BY_LABEL = {p.label: p for p in PLAN}
 
@@ -177,6 +185,8 @@ def keep_point(point: Point, args: argparse.Namespace, loads: dict) -> None:
     record = {"label": point.label, "arch": point.arch, "minutes": point.minutes, "seed": point.seed}
     if point.overrides:
         record["overrides"] = list(point.overrides)
+    if not point.on_curve:
+        record["on_curve"] = False
     record["load_average"] = kept.get("load_average", {}) | loads
     folder = finished_run(args.base_dir, run_name(point, "pretrain"))
     if folder is not None:
@@ -297,8 +307,9 @@ def blimp_cell(results: dict | None) -> str:
 
 def points_table(points: dict[str, dict], floors: dict[str, dict]) -> str:
     lines = [
-        "| point | CPU-min | updates | tokens | MLM loss | BLiMP | floor (range) | GLUE avg | GLUE avg, 1k ex. | load avg |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| point | CPU-min | updates | tokens | MLM loss | BLiMP | floor (range) | GLUE avg | GLUE avg, 1k ex. "
+        "| load avg | CPU, precision |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for label, record in points.items():
         floor = floors.get(record["arch"])
@@ -309,7 +320,7 @@ def points_table(points: dict[str, dict], floors: dict[str, dict]) -> str:
         lines.append(
             f"| {label} | {record['minutes']} | {' | '.join(pretraining_figures(record))} | {blimp_overall} | "
             f"{floor_cell} | {glue_figure(record.get('glue'))} | {glue_figure(record.get('glue1k'))} | "
-            f"{load_cell} |"
+            f"{load_cell} | {machine(record)} |"
         )
     return "\n".join(lines)
 
@@ -340,12 +351,23 @@ def phenomena_table(points: dict[str, dict], floors: dict[str, dict], arch: str)
     return phenomenon_table(floor.get("twins", []), scored, floor.get("published", {}))
 
 
-def by_budget(points: dict[str, dict], arch: str, value: Callable[[dict], Any]) -> dict[int, list]:
-    """{CPU-minutes: the value of each run of that budget} for one architecture's runs of the study's recipe
-    (recipe changes left out), budgets in increasing order."""
+def machine(record: dict) -> str:
+    """The CPU a point pretrained on and its precision ("AMD EPYC, float32"): it sets how much a minute buys."""
+    device = (record.get("pretraining_card") or {}).get("device") or {}
+    return f"{device.get('cpu', '?')}, {(device.get('precision') or {}).get('dtype', '?')}"
+
+
+def by_budget(
+    points: dict[str, dict], arch: str, value: Callable[[dict], Any], on: str | None = None
+) -> dict[int, list]:
+    """{CPU-minutes: the value of each run of that budget} for one architecture's runs of the study's recipe,
+    budgets in increasing order: the curve's runs, or with `on` (a machine()) every run of the recipe on that
+    machine, controls included. Recipe changes are left out."""
     out: dict[int, list] = {}
     for record in points.values():
-        v = value(record) if record["arch"] == arch and not record.get("overrides") else None
+        study = record["arch"] == arch and not record.get("overrides")
+        mine = record.get("on_curve", True) if on is None else machine(record) == on
+        v = value(record) if study and mine else None
         if v is not None:
             out.setdefault(record["minutes"], []).append(v)
     return dict(sorted(out.items()))
@@ -410,8 +432,9 @@ def goals(points: dict[str, dict], floors: dict[str, dict], arch: str) -> list[s
 
 
 def recipe_changes(points: dict[str, dict]) -> list[str]:
-    """Each recipe change against the study's runs of its arch and budget: BLiMP, GLUE with 1,000 examples and
-    updates made, with the range of the study's runs."""
+    """Each recipe change against the study's runs of its arch and budget on the same machine (a CPU with native
+    bf16 makes twice the updates a minute): BLiMP, GLUE with 1,000 examples and updates made, with the range of
+    the study's runs."""
     lines = []
     figures = {  # name: (reader, format)
         "BLiMP": (blimp_overall, ".1f"),
@@ -426,14 +449,18 @@ def recipe_changes(points: dict[str, dict]) -> list[str]:
             continue
         cells = []
         for name, (value, f) in figures.items():
-            mine, theirs = value(record), by_budget(points, record["arch"], value).get(record["minutes"], [])
+            theirs = by_budget(points, record["arch"], value, on=machine(record)).get(record["minutes"], [])
+            mine = value(record)
             if mine is None or not theirs:
                 continue
             low, high, diff = min(theirs), max(theirs), mine - statistics.mean(theirs)
             span = f"{low:{f}}" if low == high else f"{low:{f}}–{high:{f}}"
             cells.append(f"{name} {mine:{f}} against {span} ({diff:+{f}})")
         change = " ".join(record["overrides"])
-        lines.append(f"{label} ({change}): " + ("; ".join(cells) or "nothing measured yet to compare"))
+        lines.append(
+            f"{label} ({change}; {machine(record)}): "
+            + ("; ".join(cells) or "no run of the study's recipe of this arch and budget on this machine yet")
+        )
     return lines
 
 
@@ -532,7 +559,7 @@ def report(args: argparse.Namespace) -> None:
             print(f"\n{arch}, the goals:\n" + "\n".join(f"- {line}" for line in judged))
     changes = recipe_changes(points)
     if changes:
-        print("\nRecipe changes, against the study's runs of the same arch and budget:")
+        print("\nRecipe changes, against the study's runs of the same arch and budget on the same CPU:")
         print("\n".join(f"- {line}" for line in changes))
     if args.out:
         print(f"\nplot: {plot(points, floors, args.out)}")
