@@ -11,6 +11,11 @@ is scored
 - on GLUE with `eval=glue-small` (three fine-tuning seeds), with all training data and with 1,000 training
   examples per task (`eval.max_train_examples=1000`).
 
+`--blimp-pairs N` scores the first N pairs of each paradigm instead, for points and floor alike (bert-mini's full
+set takes about 50 minutes a model on one thread). Recipe changes (PLAN's points with overrides) are judged
+beside the study's runs of their arch and budget on the same CPU and precision, never drawn on the curve; where
+the curve's machine is not at hand, a control point (the study's recipe, off the curve) runs beside them.
+
     python -m scripts.studies.budget_curve run --data <Wikipedia shards folder> --glue-dir <GLUE folder> \
         --blimp-dir <BLiMP folder> [--points tiny-15-s0 tiny-15-s1 ...] [--stages pretrain blimp glue1k glue]
     python -m scripts.studies.budget_curve report --keep results/budget-curve/runs --out results/budget-curve
@@ -23,7 +28,7 @@ runs are budgeted by wall clock: run nothing else on the machine meanwhile. The 
 sampled and stored beside it, so a loaded run shows.
 
 `report` reads --keep alone: one table (per point: updates, tokens, held-out MLM loss, BLiMP overall against
-its floor, GLUE average with all data and with 1,000 examples), BLiMP by phenomenon, which phenomena rise
+its floor, GLUE average with all data and with 1,000 examples, the CPU), BLiMP by phenomenon, which phenomena rise
 beyond the floor's range first and which never do, the issue's goals judged from these figures (each
 BLiMP step against the spread of two runs of one budget), and one plot (budget_curve.png under --out).
 """
@@ -495,7 +500,12 @@ def plot(points: dict[str, dict], floors: dict[str, dict], out: Path) -> Path:
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
     for arch, marker in (("bert-tiny", "o"), ("bert-mini", "s")):
-        curve(left, by_budget(points, arch, blimp_overall), marker, "-", arch)
+        pairs = (
+            pairs_note(points, floors.get(arch), arch)
+            .replace("the first ", "")
+            .replace(" of each paradigm", "")
+        )
+        curve(left, by_budget(points, arch, blimp_overall), marker, "-", f"{arch} ({pairs})")
         if arch in floors:
             _, low, high = floor_range(floors[arch])
             left.axhspan(
