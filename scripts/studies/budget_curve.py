@@ -103,6 +103,9 @@ PLAN = (
     # The study's recipe run beside a recipe change on a machine other than the curve's (a CPU with native
     # bf16 makes about twice the updates a minute): what that change is judged against there.
     Point("tiny-60-control", "bert-tiny", 60, on_curve=False),
+    # A second pair of the same comparison, at 30 minutes with seed 1: one pair alone sits inside the seed spread.
+    Point("tiny-30-cls-s1", "bert-tiny", 30, seed=1, overrides=("data.row_start=cls",)),
+    Point("tiny-30-control-s1", "bert-tiny", 30, seed=1, on_curve=False),
 )
 BY_LABEL = {p.label: p for p in PLAN}
 
