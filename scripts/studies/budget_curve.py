@@ -101,7 +101,7 @@ PLAN = (
     # masked word, and every scored sentence starts with it.
     Point("tiny-60-cls", "bert-tiny", 60, overrides=("data.row_start=cls",)),
     # The study's recipe run beside a recipe change on a machine other than the curve's (a CPU with native
-    # bf16 makes about twice the updates a minute): what that change is judged against there.
+    # bf16 made 2.8 times the updates a minute): what that change is judged against there.
     Point("tiny-60-control", "bert-tiny", 60, on_curve=False),
     # A second pair of the same comparison, at 30 minutes with seed 1: one pair alone sits inside the seed spread.
     Point("tiny-30-cls-s1", "bert-tiny", 30, seed=1, overrides=("data.row_start=cls",)),
@@ -441,7 +441,7 @@ def goals(points: dict[str, dict], floors: dict[str, dict], arch: str) -> list[s
 
 def recipe_changes(points: dict[str, dict]) -> list[str]:
     """Each recipe change against the study's runs of its arch and budget on the same machine (a CPU with native
-    bf16 makes twice the updates a minute): BLiMP, GLUE with 1,000 examples and updates made, with the range of
+    bf16 made 2.8 times the updates a minute): BLiMP, GLUE with 1,000 examples and updates made, with the range of
     the study's runs."""
     lines = []
     figures = {  # name: (reader, format)
