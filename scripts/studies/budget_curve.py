@@ -304,13 +304,18 @@ def pretraining_figures(record: dict) -> tuple[str, str, str]:
     )
 
 
+def subset_of(results: dict) -> str | None:
+    """ "200 pairs/paradigm" for BLiMP results on a subset (--blimp-pairs), None for all pairs."""
+    per_paradigm = results["pairs_scored"] // results["paradigms"]
+    return None if per_paradigm >= 1000 else f"{per_paradigm} pairs/paradigm"
+
+
 def blimp_cell(results: dict | None) -> str:
     """BLiMP overall; a subset says how many pairs of each paradigm it scored (it is not the full set's mean)."""
     if results is None:
         return "–"
-    per_paradigm = results["pairs_scored"] // results["paradigms"]
-    subset = "" if per_paradigm >= 1000 else f" ({per_paradigm} pairs/paradigm)"
-    return f"{results['overall']:.1f}{subset}"
+    subset = subset_of(results)
+    return f"{results['overall']:.1f}" + (f" ({subset})" if subset else "")
 
 
 def points_table(points: dict[str, dict], floors: dict[str, dict]) -> str:
@@ -503,12 +508,14 @@ def plot(points: dict[str, dict], floors: dict[str, dict], out: Path) -> Path:
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
     for arch, marker in (("bert-tiny", "o"), ("bert-mini", "s")):
-        pairs = (
-            pairs_note(points, floors.get(arch), arch)
-            .replace("the first ", "")
-            .replace(" of each paradigm", "")
+        pairs = {
+            subset_of(r["blimp"]) or "all pairs"
+            for r in points.values()
+            if r["arch"] == arch and "blimp" in r
+        }
+        curve(
+            left, by_budget(points, arch, blimp_overall), marker, "-", f"{arch} ({', '.join(sorted(pairs))})"
         )
-        curve(left, by_budget(points, arch, blimp_overall), marker, "-", f"{arch} ({pairs})")
         if arch in floors:
             _, low, high = floor_range(floors[arch])
             left.axhspan(
