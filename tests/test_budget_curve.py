@@ -248,3 +248,36 @@ def test_the_report_refuses_an_empty_keep_folder(study, tmp_path):
     (tmp_path / "keep").mkdir()
     with pytest.raises(SystemExit, match="no point has been measured yet"):
         study.report(study.parse_args(["report", "--keep", str(tmp_path / "keep")]))
+
+
+def test_a_change_of_the_models_shape_gets_a_floor_of_its_own_shape(study, tmp_path, monkeypatch):
+    deep = study.BY_LABEL["tiny-30-4layers-s1"]
+    assert deep.shape == "bert-tiny.num_layers=4" and deep.pretrain_args("d")[-1] == "arch.num_layers=4"
+    # a change of data or training keeps its arch's floor
+    assert study.BY_LABEL["tiny-30-cls-s1"].shape == "bert-tiny"
+    # the floor's twins take the architecture of the run they are drawn from: the changed shape's own run
+    base, drawn = tmp_path / "out", []
+    folder = finished(base, "budget-curve-tiny-30-4layers-s1", {})
+    monkeypatch.setattr(study.blimp, "load_pairs", lambda config: {"uid": [{"linguistics_term": "t"}]})
+    monkeypatch.setattr(study, "random_twin", lambda checkpoint, seed: drawn.append((checkpoint, seed)) or ())
+    monkeypatch.setattr(study, "blimp_score", lambda *args: blimp_result(50.0 + len(drawn), {}))
+    monkeypatch.setattr(study, "published", lambda blimp_dir, terms: {})
+    study.keep_floor(deep, args_for(study, tmp_path))
+    assert drawn == [(str(folder / "checkpoint"), s) for s in study.FLOOR_SEEDS]
+    floor = json.loads((tmp_path / "keep" / "floor-bert-tiny.num_layers=4.json").read_text())
+    assert floor["arch"] == "bert-tiny.num_layers=4"
+    assert [t["overall"] for t in floor["twins"]] == [51, 52, 53]
+    # the report reads it back under that shape and judges the change beside its control and its own floor
+    record = {"arch": "bert-tiny", "minutes": 30, "blimp": blimp_result(57.0, {})}
+    for label, extra in (
+        ("tiny-30-control-s1", {"on_curve": False}),
+        (deep.label, {"overrides": list(deep.overrides)}),
+    ):
+        (tmp_path / "keep" / f"{label}.json").write_text(json.dumps(record | extra))
+    points, floors = study.read_kept(tmp_path / "keep")
+    assert study.recipe_changes(points, floors) == [
+        "tiny-30-4layers-s1 (arch.num_layers=4; ?, ?): BLiMP 57.0 against 57.0 (+0.0); "
+        "its shape's floor 52.0 (51.0–53.0)"
+    ]
+    assert study.recipe_changes(points, {})[0].endswith("its shape's floor not measured yet")
+    assert "| 57.0 | 52.0 (51.0–53.0) |" in study.points_table(points, floors)

@@ -62,6 +62,16 @@ SHARDS = "train-*-of-00012.jsonl.gz"
 PREFIX = "budget-curve"
 
 
+def shape(arch: str, overrides: tuple[str, ...] | list[str] = ()) -> str:
+    """The architecture a floor belongs to: the arch, with any `arch.*` override of a recipe change
+    ("bert-tiny.num_layers=4"). A model of another shape has random-weight twins of its own."""
+    return ".".join([arch, *(o.removeprefix("arch.") for o in overrides if o.startswith("arch."))])
+
+
+def shape_of(record: dict) -> str:
+    return shape(record["arch"], record.get("overrides", ()))
+
+
 @dataclass(frozen=True)
 class Point:
     label: str
@@ -70,6 +80,10 @@ class Point:
     seed: int = 0
     overrides: tuple[str, ...] = ()  # a change to the study's recipe, judged against the same arch and budget
     on_curve: bool = True  # False: a control, the study's recipe kept off the curve (see PLAN)
+
+    @property
+    def shape(self) -> str:
+        return shape(self.arch, self.overrides)
 
     def pretrain_args(self, data: str) -> list[str]:
         args = [
@@ -106,6 +120,11 @@ PLAN = (
     # A second pair of the same comparison, at 30 minutes with seed 1: one pair alone sits inside the seed spread.
     Point("tiny-30-cls-s1", "bert-tiny", 30, seed=1, overrides=("data.row_start=cls",)),
     Point("tiny-30-control-s1", "bert-tiny", 30, seed=1, on_curve=False),
+    # Model shape: twice bert-tiny's depth at its width. Syntax needs layers that two may not give; a layer costs
+    # about a sixth of an update's time, so it makes about two thirds of the updates in the same minutes.
+    Point("tiny-30-4layers-s1", "bert-tiny", 30, seed=1, overrides=("arch.num_layers=4",)),
+    # Twice the peak learning rate: the curve's runs are still learning fast when the budget ends.
+    Point("tiny-30-lr2e3-s1", "bert-tiny", 30, seed=1, overrides=("train.optim.lr=2e-3",)),
 )
 BY_LABEL = {p.label: p for p in PLAN}
 
@@ -213,15 +232,17 @@ def keep_point(point: Point, args: argparse.Namespace, loads: dict) -> None:
     atomic_write_text(path, json.dumps(record, indent=1) + "\n")
 
 
-def keep_floor(arch: str, args: argparse.Namespace) -> None:
-    """floor-<arch>.json: BLiMP of three random-weight twins of the architecture's 0-minute run, on the pairs
-    the points are scored on (--blimp-pairs)."""
-    path = args.keep / f"floor-{arch}.json"
-    zero = next(p for p in PLAN if p.arch == arch and p.minutes == 0)
-    folder = finished_run(args.base_dir, run_name(zero, "pretrain"))
-    if path.exists() or folder is None:
+def keep_floor(point: Point, args: argparse.Namespace) -> None:
+    """floor-<shape>.json, once per shape: BLiMP of three random-weight twins of the architecture and tokenizer
+    of the shape's 0-minute run, or of the point's own run where the plan has no 0-minute run of its shape (the
+    weights are drawn afresh, so any run of the shape serves), on the pairs the points are scored on
+    (--blimp-pairs)."""
+    path = args.keep / f"floor-{point.shape}.json"
+    source = next((p for p in PLAN if p.shape == point.shape and p.minutes == 0), point)
+    folder = finished_run(args.base_dir, run_name(point, "pretrain"))
+    if source != point or path.exists() or folder is None:
         return
-    print(f"[{time.strftime('%H:%M:%S')}] floor of {arch}: seeds {list(FLOOR_SEEDS)}", flush=True)
+    print(f"[{time.strftime('%H:%M:%S')}] floor of {point.shape}: seeds {list(FLOOR_SEEDS)}", flush=True)
     pairs = blimp.load_pairs(blimp.BlimpConfig(dir=args.blimp_dir, pairs_per_paradigm=args.blimp_pairs))
     twins = [
         blimp_score(*random_twin(str(folder / "checkpoint"), s), pairs, "within_word_l2r")
@@ -229,7 +250,7 @@ def keep_floor(arch: str, args: argparse.Namespace) -> None:
     ]
     terms = {uid: rows[0]["linguistics_term"] for uid, rows in pairs.items()}
     figures = {
-        "arch": arch,
+        "arch": point.shape,
         "seeds": list(FLOOR_SEEDS),
         "pairs_per_paradigm": args.blimp_pairs,
         "twins": twins,
@@ -250,8 +271,8 @@ def run(args: argparse.Namespace) -> None:
             load = run_stage(point, stage, args)
             if load is not None:
                 loads[stage] = load
-            if stage == "blimp" and point.minutes == 0:
-                keep_floor(point.arch, args)
+            if stage == "blimp":
+                keep_floor(point, args)
         keep_point(point, args, loads)
 
 
@@ -325,7 +346,7 @@ def points_table(points: dict[str, dict], floors: dict[str, dict]) -> str:
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for label, record in points.items():
-        floor = floors.get(record["arch"])
+        floor = floors.get(shape_of(record))
         blimp_overall = blimp_cell(record.get("blimp"))
         floor_cell = "–" if floor is None else "{:.1f} ({:.1f}–{:.1f})".format(*floor_range(floor))
         load = record.get("load_average", {}).get("pretrain")
@@ -355,12 +376,12 @@ def glue_tasks_table(points: dict[str, dict], keep: Path) -> str:
     return "\n".join(lines)
 
 
-def phenomena_table(points: dict[str, dict], floors: dict[str, dict], arch: str) -> str:
-    """BLiMP by phenomenon for one architecture's points, its floor and the published references."""
-    scored = {label: r["blimp"] for label, r in points.items() if r["arch"] == arch and "blimp" in r}
+def phenomena_table(points: dict[str, dict], floors: dict[str, dict], key: str) -> str:
+    """BLiMP by phenomenon for the points of one shape, its floor and the published references."""
+    scored = {label: r["blimp"] for label, r in points.items() if shape_of(r) == key and "blimp" in r}
     if not scored:
         return ""
-    floor = floors.get(arch, {})
+    floor = floors.get(key, {})
     return phenomenon_table(floor.get("twins", []), scored, floor.get("published", {}))
 
 
@@ -444,10 +465,10 @@ def goals(points: dict[str, dict], floors: dict[str, dict], arch: str) -> list[s
     return lines
 
 
-def recipe_changes(points: dict[str, dict]) -> list[str]:
+def recipe_changes(points: dict[str, dict], floors: dict[str, dict] | None = None) -> list[str]:
     """Each recipe change against the study's runs of its arch and budget on the same machine (a CPU with native
     bf16 made 2.8 times the updates a minute): BLiMP, GLUE with 1,000 examples and updates made, with the range of
-    the study's runs."""
+    the study's runs. A change of the model's shape also names its own shape's floor, from `floors`."""
     lines = []
     figures = {  # name: (reader, format)
         "BLiMP": (blimp_overall, ".1f"),
@@ -469,6 +490,13 @@ def recipe_changes(points: dict[str, dict]) -> list[str]:
             low, high, diff = min(theirs), max(theirs), mine - statistics.mean(theirs)
             span = f"{low:{f}}" if low == high else f"{low:{f}}–{high:{f}}"
             cells.append(f"{name} {mine:{f}} against {span} ({diff:+{f}})")
+        if floors is not None and shape_of(record) != record["arch"]:
+            floor = floors.get(shape_of(record))
+            cells.append(
+                "its shape's floor not measured yet"
+                if floor is None
+                else "its shape's floor {:.1f} ({:.1f}–{:.1f})".format(*floor_range(floor))
+            )
         change = " ".join(record["overrides"])
         lines.append(
             f"{label} ({change}; {machine(record)}): "
@@ -477,9 +505,9 @@ def recipe_changes(points: dict[str, dict]) -> list[str]:
     return lines
 
 
-def pairs_note(points: dict[str, dict], floor: dict | None, arch: str) -> str:
-    """Which pairs an architecture's BLiMP figures count, and a warning when its points and floor differ."""
-    counts = {r["blimp"]["pairs_scored"] for r in points.values() if r["arch"] == arch and "blimp" in r}
+def pairs_note(points: dict[str, dict], floor: dict | None, key: str) -> str:
+    """Which pairs a shape's BLiMP figures count, and a warning when its points and floor differ."""
+    counts = {r["blimp"]["pairs_scored"] for r in points.values() if shape_of(r) == key and "blimp" in r}
     floor_counts = {t["pairs_scored"] for t in (floor or {}).get("twins", [])}
     every = counts | floor_counts
     if every == {67_000}:
@@ -558,11 +586,13 @@ def report(args: argparse.Namespace) -> None:
         print(
             f"\nGLUE with 1,000 training examples per task (median over fine-tuning seeds [lowest, highest]):\n\n{tasks}"
         )
-    for arch in ("bert-tiny", "bert-mini"):
-        table = phenomena_table(points, floors, arch)
+    curves = ("bert-tiny", "bert-mini")
+    for key in (*curves, *sorted({shape_of(r) for r in points.values()} - set(curves))):
+        table = phenomena_table(points, floors, key)
         if table:
-            pairs = pairs_note(points, floors.get(arch), arch)
-            print(f"\nBLiMP by phenomenon, {arch} (within_word_l2r, {pairs}, ties fail):\n\n{table}")
+            pairs = pairs_note(points, floors.get(key), key)
+            print(f"\nBLiMP by phenomenon, {key} (within_word_l2r, {pairs}, ties fail):\n\n{table}")
+    for arch in curves:
         if arch in floors:
             if not any(r["arch"] == arch and r["minutes"] > 0 and "blimp" in r for r in points.values()):
                 continue  # no pretrained point scored yet: nothing can have risen above the floor
@@ -577,7 +607,7 @@ def report(args: argparse.Namespace) -> None:
         judged = goals(points, floors, arch)
         if judged and any(r["arch"] == arch and r["minutes"] > 0 for r in points.values()):
             print(f"\n{arch}, the goals:\n" + "\n".join(f"- {line}" for line in judged))
-    changes = recipe_changes(points)
+    changes = recipe_changes(points, floors)
     if changes:
         print("\nRecipe changes, against the study's runs of the same arch and budget on the same CPU:")
         print("\n".join(f"- {line}" for line in changes))
