@@ -14,7 +14,8 @@ is scored
 `--blimp-pairs N` scores the first N pairs of each paradigm instead, for points and floor alike (bert-mini's full
 set takes about 50 minutes a model on one thread). Recipe changes (PLAN's points with overrides) are judged
 beside the study's runs of their arch and budget on the same CPU and precision, never drawn on the curve; where
-the curve's machine is not at hand, a control point (the study's recipe, off the curve) runs beside them.
+the curve's machine is not at hand, a control point (the study's recipe, off the curve) runs beside them. A
+change of the model's shape (an `arch.*` override) gets a floor of its own shape, drawn from its own run.
 
     python -m scripts.studies.budget_curve run --data <Wikipedia shards folder> --glue-dir <GLUE folder> \
         --blimp-dir <BLiMP folder> [--points tiny-15-s0 tiny-15-s1 ...] [--stages pretrain blimp glue1k glue]
@@ -125,6 +126,15 @@ PLAN = (
     Point("tiny-30-4layers-s1", "bert-tiny", 30, seed=1, overrides=("arch.num_layers=4",)),
     # Twice the peak learning rate: the curve's runs are still learning fast when the budget ends.
     Point("tiny-30-lr2e3-s1", "bert-tiny", 30, seed=1, overrides=("train.optim.lr=2e-3",)),
+    # Both at once, at 30 minutes (beside the two alone) and at 60 (beside tiny-60-control).
+    Point(
+        "tiny-30-4layers-lr2e3-s1",
+        "bert-tiny",
+        30,
+        seed=1,
+        overrides=("arch.num_layers=4", "train.optim.lr=2e-3"),
+    ),
+    Point("tiny-60-4layers-lr2e3", "bert-tiny", 60, overrides=("arch.num_layers=4", "train.optim.lr=2e-3")),
 )
 BY_LABEL = {p.label: p for p in PLAN}
 
