@@ -122,7 +122,7 @@ PLAN = (
     Point("tiny-30-cls-s1", "bert-tiny", 30, seed=1, overrides=("data.row_start=cls",)),
     Point("tiny-30-control-s1", "bert-tiny", 30, seed=1, on_curve=False),
     # Model shape: twice bert-tiny's depth at its width. Syntax needs layers that two may not give; a layer costs
-    # about a sixth of an update's time, so it makes about two thirds of the updates in the same minutes.
+    # about 0.09 s of a two-layer update's 0.31 (bf16 CPU), so it makes about two thirds of the updates.
     Point("tiny-30-4layers-s1", "bert-tiny", 30, seed=1, overrides=("arch.num_layers=4",)),
     # Twice the peak learning rate: the curve's runs are still learning fast when the budget ends.
     Point("tiny-30-lr2e3-s1", "bert-tiny", 30, seed=1, overrides=("train.optim.lr=2e-3",)),
