@@ -546,11 +546,11 @@ def plot(points: dict[str, dict], floors: dict[str, dict], out: Path) -> Path:
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
     for arch, marker in (("bert-tiny", "o"), ("bert-mini", "s")):
-        pairs = {
-            subset_of(r["blimp"]) or "all pairs"
-            for r in points.values()
-            if r["arch"] == arch and "blimp" in r
-        }
+        # which pairs the drawn runs were scored on: the curve's runs only, as by_budget picks them
+        scored = by_budget(
+            points, arch, lambda r: (subset_of(r["blimp"]) or "all pairs") if "blimp" in r else None
+        )
+        pairs = {p for runs in scored.values() for p in runs}
         curve(
             left, by_budget(points, arch, blimp_overall), marker, "-", f"{arch} ({', '.join(sorted(pairs))})"
         )
