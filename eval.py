@@ -93,7 +93,7 @@ def job_folder() -> tuple[Path, int | None]:
 
 def evaluate(cfg: DictConfig, card: RunCard) -> float | None:
     config = validate(cfg, EvalRunConfig)
-    config.impl.apply_threads()
+    config.impl.apply_to_process(config.impl.torch_device())
     if config.benchmark == "blimp":
         return evaluate_blimp(config, card)
     checkpoint, backbone = load_backbone(config)

@@ -122,7 +122,7 @@ def set_up(
     dtype, why = cfg.impl.precision_choice(ranks.device)
     log.info("precision %s (%s)", str(dtype).removeprefix("torch."), why)
     seed_everything(cfg.seed)
-    cfg.impl.apply_threads()  # on any device, as evaluation does: the run card reports the setting
+    cfg.impl.apply_to_process(ranks.device)  # threads on any device, as evaluation does; CPU allocator
     if ranks.device.type == "cuda":
         torch.set_float32_matmul_precision("high")  # TF32 for any fp32 matmul left: rounding only
     model = build_model(
