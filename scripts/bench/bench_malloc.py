@@ -28,40 +28,29 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import fields
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-SPECIAL, MASK_ID = (
-    (0, 1, 2, 3, 4),
-    4,
-)  # [PAD] [UNK] [CLS] [SEP] [MASK], as the pipeline's tokenizers place them
 
 
 def child(args: argparse.Namespace) -> dict:
     """One measurement in this process: steps/s, faults/step, kernel share, peak RSS."""
     import torch
-    import yaml
+
+    # bench_pretrain sits beside this file, first on sys.path when it runs as a script
+    from bench_pretrain import MASK_ID, SPECIAL, load_arch
 
     from cramming.impl import ImplConfig, keep_freed_memory
-    from cramming.model import ArchConfig, build_model
+    from cramming.model import build_model
     from cramming.optim import OptimConfig, build_optimizer
     from cramming.optim.step import TrainStep
     from cramming.train.config import MLMConfig
     from cramming.train.mlm import MLMMasker
 
-    applied = keep_freed_memory()[0] if args.child == "kept" else False
-    if args.child == "kept" and not applied:
+    if args.child == "kept" and not keep_freed_memory()[0]:
         raise SystemExit("impl.keep_freed_memory does not apply here (not glibc): nothing to compare")
     torch.set_num_threads(args.threads)
-    values = yaml.safe_load((REPO / "conf" / "arch" / f"{args.arch}.yaml").read_text())
-    types = {f.name for f in fields(ArchConfig)}
-    for item in args.set:
-        key, _, value = item.partition("=")
-        if key not in types:
-            raise SystemExit(f"--set {item}: ArchConfig has no field {key!r}")
-        values[key] = yaml.safe_load(value)
-    arch = ArchConfig(**values)
+    arch = load_arch(args.arch, args.set)
     device = torch.device("cpu")
     dtype = ImplConfig(device="cpu").compute_dtype(device)
     torch.manual_seed(0)
