@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import platform
+import resource
 import subprocess
 import sys
 
@@ -44,7 +45,7 @@ def faults_per_reallocation(mode: str) -> float:
 
 @pytest.mark.skipif(not GLIBC, reason="the setting applies to glibc's malloc only")
 def test_a_freed_block_is_reused_without_faulting_its_pages_in_again():
-    pages = 64 * 2**20 // 4096
+    pages = 64 * 2**20 // resource.getpagesize()
     kept, system = faults_per_reallocation("kept"), faults_per_reallocation("system")
     # kept: the block comes back from the heap as it was; a handful of faults at most, none per page
     assert kept < pages / 100, (kept, system)
