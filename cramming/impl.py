@@ -63,8 +63,8 @@ class ImplConfig:
     distributed: str = "ddp"
     # on CPU, have glibc's malloc keep the memory a process frees instead of handing it back to the kernel. A
     # step frees and reallocates the same tensors every time; glibc maps each large one afresh and the kernel
-    # zeroes every page of it again: about 30,000 page faults per bert-tiny update, a tenth of its time in the
-    # kernel; kept, a step is 1.12x as fast (results/step-speed/cpu-malloc.md). The process keeps its peak
+    # zeroes every page of it again: about 30,000 page faults per bert-tiny update, 8-19% of its time in the
+    # kernel; kept, a step is 1.12-1.16x as fast (results/step-speed/cpu-malloc.md). The process keeps its peak
     # memory instead. No effect elsewhere
     keep_freed_memory: bool = True
 
