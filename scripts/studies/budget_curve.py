@@ -139,6 +139,21 @@ PLAN = (
     # tiny-120 ran on a CPU without native bf16, which made fewer updates in two hours than this one makes in one).
     Point("tiny-120-4layers-lr2e3", "bert-tiny", 120, overrides=("arch.num_layers=4", "train.optim.lr=2e-3")),
     Point("tiny-120-control", "bert-tiny", 120, on_curve=False),
+    # Deeper still: six layers at bert-tiny's width (depth lifted BLiMP at equal loss), at one hour and two. These
+    # compile the model (impl.compile=true: about 1.12x the steps of a four-layer bf16 step on one thread,
+    # scripts/bench/bench_pretrain.py --compile), a speed change only; their tokens column shows what it bought.
+    Point(
+        "tiny-60-6layers-lr2e3",
+        "bert-tiny",
+        60,
+        overrides=("arch.num_layers=6", "train.optim.lr=2e-3", "impl.compile=true"),
+    ),
+    Point(
+        "tiny-120-6layers-lr2e3",
+        "bert-tiny",
+        120,
+        overrides=("arch.num_layers=6", "train.optim.lr=2e-3", "impl.compile=true"),
+    ),
 )
 BY_LABEL = {p.label: p for p in PLAN}
 
