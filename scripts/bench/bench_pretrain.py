@@ -25,6 +25,8 @@ and what impl.precision=auto picks there. `--baseline` adds our step as it was b
 (fp32, the ALiBi bias as the 3-D mask that sent SDPA to its unfused math path, the loss on an fp32 copy of
 the logits): the reference that speed-ups are reported against, measured in the same rounds. `--ablate`
 adds, in each precision, our step with one of the two earlier paths put back, to measure each change alone.
+`--with-compiled` adds, in each precision, our step under torch.compile (compiled in the warm-up steps), for
+`impl.compile` on a CPU, where `auto` leaves it off.
 
 The machine may be shared: the models and the peak matmul are measured in interleaved rounds, and the
 ratio ours / HF is taken per round (the median over rounds is reported), so load that comes and goes hits
@@ -169,7 +171,7 @@ def build_ours(
         model, attention=kind in ("baseline", "old-attention"), loss=kind in ("baseline", "old-loss")
     )
     optimizer = build_optimizer(model, OptimConfig())
-    runner = torch.compile(model) if args.compile else model
+    runner = torch.compile(model) if args.compile or kind == "compiled" else model
     k = MLMMasker(MLMConfig(), 10, SPECIAL, MASK_ID).predicted_per_row(args.seq)  # static sparse prediction
     step = make_step(
         model, optimizer, device, dtype, lambda ids, labels: runner(ids, labels, predicted_per_row=k).loss
@@ -181,6 +183,7 @@ def build_ours(
         "baseline": f"ours before the CPU speed work ({arch.name})",
         "old-attention": f"ours, ALiBi as a 3-D mask as before ({arch.name})",
         "old-loss": f"ours, the loss on an fp32 copy as before ({arch.name})",
+        "compiled": f"ours, torch.compile ({arch.name})",
     }[kind]
     return Candidate(name, kind, precision, count_parameters(model), flops, step, optimizer)
 
@@ -245,6 +248,7 @@ BUILDERS = {
     "baseline": lambda *a: build_ours(*a, kind="baseline"),
     "old-attention": lambda *a: build_ours(*a, kind="old-attention"),
     "old-loss": lambda *a: build_ours(*a, kind="old-loss"),
+    "compiled": lambda *a: build_ours(*a, kind="compiled"),
 }
 
 
@@ -346,11 +350,14 @@ def own_bytes(optimizer: torch.optim.Optimizer) -> int:
 
 
 def build_candidates(arch: ArchConfig, vocab: int, args: argparse.Namespace, device) -> list[Candidate]:
-    """The baseline (with --baseline), then per precision: ours, the ablations (--ablate) and HF."""
+    """The baseline (with --baseline), then per precision: ours, ours compiled (--with-compiled), the
+    ablations (--ablate) and HF."""
     candidates = [BUILDERS["baseline"](arch, vocab, args, device, torch.float32)] if args.baseline else []
     for precision in precisions(args):
         dtype = DTYPES[precision]
         candidates.append(build_ours(arch, vocab, args, device, dtype))
+        if args.with_compiled:
+            candidates.append(BUILDERS["compiled"](arch, vocab, args, device, dtype))
         if args.ablate:
             candidates += [
                 BUILDERS[k](arch, vocab, args, device, dtype) for k in ("old-attention", "old-loss")
@@ -490,7 +497,8 @@ def ratio_line(label: str, faster: Candidate, slower: Candidate, flops: bool = F
 
 
 def ratio_lines(candidates: list[Candidate], args: argparse.Namespace) -> list[str]:
-    """Ours / HF, bf16 / fp32, each earlier path alone, and ours against the baseline, where measured."""
+    """Ours / HF, bf16 / fp32, compiled / eager, each earlier path alone, and ours against the baseline, where
+    measured."""
     lines = []
     by = {(c.kind, c.precision): c for c in candidates}
     for precision in precisions(args):
@@ -502,6 +510,12 @@ def ratio_lines(candidates: list[Candidate], args: argparse.Namespace) -> list[s
         if (kind, "bf16") in by and (kind, "fp32") in by:
             lines.append(ratio_line(f"{label} bf16 / {label} fp32", by[kind, "bf16"], by[kind, "fp32"]))
     for precision in precisions(args):
+        if ("compiled", precision) in by:
+            lines.append(
+                ratio_line(
+                    f"Ours compiled / ours in {precision}", by["compiled", precision], by["ours", precision]
+                )
+            )
         for kind, change in (("old-attention", "the 4-D ALiBi mask"), ("old-loss", "the block-wise loss")):
             if (kind, precision) in by:
                 lines.append(
@@ -614,6 +628,12 @@ def parse_args() -> argparse.Namespace:
         "--ablate", action="store_true", help="also ours with one earlier path put back, each precision"
     )
     parser.add_argument("--compile", action="store_true", help="torch.compile both models")
+    parser.add_argument(
+        "--with-compiled",
+        action="store_true",
+        help="add our model under torch.compile beside the eager one, in the same interleaved rounds (its"
+        " compilation runs in the warm-up steps)",
+    )
     parser.add_argument("--attention", default="sdpa")
     parser.add_argument("--layernorm", default="torch")
     parser.add_argument("--ffn-activation", default="torch", help="torch | triton (fused gated GELU)")
