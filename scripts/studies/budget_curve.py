@@ -140,8 +140,8 @@ PLAN = (
     Point("tiny-120-4layers-lr2e3", "bert-tiny", 120, overrides=("arch.num_layers=4", "train.optim.lr=2e-3")),
     Point("tiny-120-control", "bert-tiny", 120, on_curve=False),
     # Deeper still: six layers at bert-tiny's width (depth lifted BLiMP at equal loss), at one hour and two. These
-    # compile the model (impl.compile=true: about 1.12x the steps of a four-layer bf16 step on one thread,
-    # scripts/bench/bench_pretrain.py --compile), a speed change only; their tokens column shows what it bought.
+    # compile the model (impl.compile=true), a speed change only, measured at 0.99-1.16x of the eager step
+    # (results/step-speed/cpu-compile-*.md); their tokens column shows what they got.
     Point(
         "tiny-60-6layers-lr2e3",
         "bert-tiny",
