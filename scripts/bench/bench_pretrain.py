@@ -658,6 +658,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--search-seconds", type=float, default=60.0, help="time limit of --autobatch")
     parser.add_argument("--probe", help=argparse.SUPPRESS)  # kind:precision, a memory probe child
     args = parser.parse_args()
+    if args.compile and args.with_compiled:
+        parser.error(
+            "--compile already compiles our model, so --with-compiled would time it against itself:"
+            " give --with-compiled alone to compare compiled with eager"
+        )
     if args.set is None:
         args.set = (
             [] if cuda else ["num_layers=4", "hidden_size=256", "num_heads=4", "intermediate_size=1024"]
