@@ -49,6 +49,20 @@ def test_schedules_are_clamped_past_the_end_and_warmup_is_configurable():
     assert LR_SCHEDULES["budget-triangle2"].factor(0.5, warmup=0.5) == pytest.approx(1.0)
 
 
+def test_factor_for_update_reads_the_clock_its_schedule_names():
+    """A budget-* schedule follows the budget's elapsed fraction whatever the update count; a steps-* one the
+    update about to be applied (counted from 1) of train.steps, whatever the clock."""
+    triangle, linear = LR_SCHEDULES["budget-triangle2"], LR_SCHEDULES["steps-linear"]
+    assert triangle.factor_for_update(None, budget_fraction=0.75, updates=3, steps=None) == pytest.approx(1.0)
+    assert triangle.factor_for_update(None, budget_fraction=0.25, updates=900, steps=1000) == pytest.approx(
+        0.5
+    )
+    # update 250 of 1000 is applied at progress 251/1000, past the 1% warm-up: (1 - 0.251) / 0.99
+    at_251 = linear.factor_for_update(None, budget_fraction=0.9, updates=250, steps=1000)
+    assert at_251 == pytest.approx((1 - 0.251) / 0.99)
+    assert linear.factor_for_update(0.5, budget_fraction=0.0, updates=249, steps=1000) == pytest.approx(0.5)
+
+
 def test_batch_size_ramp():
     # 8192 sequences per update from micro-batches of 128: 64 micro-batches, reached at 60% of the budget
     steps = [accumulation_steps(p, 8192, 128, 0.6) for p in (0.0, 0.3, 0.6, 0.9)]

@@ -16,11 +16,14 @@ import torch
 from hydra import compose, initialize_config_dir
 from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
+from torch import nn
 
-from cramming.budget import BudgetClock
+from cramming.budget import BudgetClock, budget_clock
 from cramming.config import CONF_DIR, PretrainConfig, register_configs, validate
 from cramming.data import PretrainingData
 from cramming.train import loop
+from cramming.train.metrics import Metrics
+from cramming.train.state import Progress
 
 VOCAB = 200
 SEQ = 32
@@ -102,6 +105,17 @@ def test_budget_clock_stop_rule():
     assert clock.elapsed() == 1800.0 and clock.fraction() == 1.0 and not clock.expired()
     now[0] = 1200.5
     assert clock.expired()
+
+
+def test_stop_reason_puts_a_signal_before_the_budget():
+    """One process: the signal it received wins over a spent budget (it names why the run stopped), and the
+    budget alone stops it once spent; budget_clock gives a plain clock without an active process group."""
+    now = [0.0]
+    clock = budget_clock(1 / 3600, lambda: now[0])
+    assert type(clock) is BudgetClock
+    assert clock.stop_reason(None) is None and clock.stop_reason("SIGTERM") == "SIGTERM"
+    now[0] = 1.5
+    assert clock.stop_reason(None) == "budget" and clock.stop_reason("SIGINT") == "SIGINT"
 
 
 def test_stops_after_the_microbatch_that_passes_the_budget(tmp_path, fake_clock):
@@ -323,3 +337,34 @@ def test_compiled_training_on_cpu(tmp_path):
     with safe_open(str(result.checkpoint / "model.safetensors"), "pt") as f:
         keys = list(f.keys())
     assert keys and not any("_orig_mod" in k for k in keys)
+
+
+def test_due_evaluations_follow_a_closed_throughput_window(tmp_path):
+    """Metrics.run_due_hooks logs the updates since the last record before each due evaluation and restarts
+    the window after it, so no throughput figure counts an evaluation's time; a hook not due is not run."""
+
+    class Hook:
+        def __init__(self, at: float):
+            self.at, self.calls = at, []
+
+        def start(self, fraction_done: float) -> None: ...
+
+        def due(self, fraction: float) -> bool:
+            return fraction >= self.at and not self.calls
+
+        def __call__(self, model, clock, update, tokens) -> dict:
+            self.calls.append((update, tokens))
+            return {"update": update, "hook": self.at}
+
+    now = [900.0]
+    clock = BudgetClock(1000 / 3600, lambda: now[0])
+    now[0] = 1400.0  # half the budget spent
+    early, late = Hook(0.25), Hook(0.75)
+    metrics = Metrics(tmp_path / "metrics.jsonl", seq_length=8, hooks=[early, late])
+    metrics.window.add(torch.tensor(2.0), torch.tensor(1.0), torch.tensor(4.0), rows=16)
+    metrics.run_due_hooks(nn.Linear(1, 1), clock, Progress(updates=3, microbatches=6, rows=48), 1e-3, 0, 384)
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [("hook" in r, r["update"]) for r in records] == [(False, 3), (True, 3)]
+    assert records[0]["loss"] == 2.0 and records[0]["microbatches"] == 6
+    assert early.calls == [(3, 384)] and late.calls == []
+    assert metrics.window.updates == 0  # restarted after the evaluation

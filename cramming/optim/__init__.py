@@ -17,12 +17,13 @@ The loop logs `format_state_report(optimizer_state_report(optimizer))` at start-
 
 from cramming.optim.adafactor import Adafactor
 from cramming.optim.adamw import AdamW
-from cramming.optim.base import LeanOptimizer, check_layerwise_loop
+from cramming.optim.base import LeanOptimizer
 from cramming.optim.build import LAYERWISE, OPTIMIZERS, build_optimizer, layer_scales, param_groups
 from cramming.optim.config import OptimConfig
 from cramming.optim.galore import galore_parameters
 from cramming.optim.library import TrainerOptimizer, create_optimizer
 from cramming.optim.report import format_state_report, optimizer_state_report
+from cramming.optim.step import check_layerwise_loop
 
 __all__ = [
     "LAYERWISE",

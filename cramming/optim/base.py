@@ -27,8 +27,8 @@ gradient is complete, and its gradient is freed at once, so full gradients are n
     and then runs the sharded parameters' post-accumulate-grad hooks itself (torch >= 2.5), so each rank
     steps its shard with the averaged gradient. Otherwise a layerwise optimizer refuses to be built when a
     process group of several ranks exists: someone else's DDP would reduce the gradients after the hooks
-    had stepped on them. No fp16 GradScaler (the hooks see scaled gradients): call `check_layerwise_loop`
-    at start-up.
+    had stepped on them. No fp16 GradScaler (the hooks see scaled gradients): the training step
+    (cramming.optim.step.TrainStep) checks that at start-up.
   * not clip the model's gradients itself: they are gone by then, and `clip_grad_norm_` would silently
     return 0. Pass the clipping threshold as `max_grad_norm` instead: each parameter's gradient is clipped
     to that norm (per-parameter clipping, not the global-norm clipping of the normal path; under FSDP2 the
@@ -456,13 +456,3 @@ def _all_sharded(params: list) -> bool:
     """Whether `params` (tensors or param-group dicts) are all FSDP2 shards (DTensors), and there are some."""
     tensors = [p for item in params for p in (item["params"] if isinstance(item, dict) else [item])]
     return bool(tensors) and all(is_sharded(p) for p in tensors)
-
-
-def check_layerwise_loop(optimizer: torch.optim.Optimizer, *, grad_scaler: bool) -> None:
-    """Start-up check the training step makes once: raises ConfigError when a layerwise optimizer cannot do
-    its job (gradient accumulation, DDP and FSDP2 all work: see the module docstring)."""
-    if getattr(optimizer, "layerwise", False) and grad_scaler:
-        raise ConfigError(
-            "`*_layerwise` optimizers see the gradients before a GradScaler could unscale them: use bf16 or "
-            "fp32 (impl.precision), not fp16, or the name without `_layerwise`"
-        )

@@ -51,6 +51,14 @@ class LRSchedule:
         """Multiplier of the peak learning rate at `progress` (clamped to [0, 1])."""
         return self.shape(min(max(progress, 0.0), 1.0), self.default_warmup if warmup is None else warmup)
 
+    def factor_for_update(
+        self, warmup: float | None, *, budget_fraction: float, updates: int, steps: int | None
+    ) -> float:
+        """The multiplier for the update about to be applied: at the budget's elapsed fraction (budget-*), or
+        after `updates` of `steps` (steps-*)."""
+        progress = budget_fraction if self.clock == "budget" else step_progress(updates, steps)
+        return self.factor(progress, warmup)
+
 
 LR_SCHEDULES: dict[str, LRSchedule] = {
     "budget-triangle2": LRSchedule(triangle2, clock="budget", default_warmup=0.75),

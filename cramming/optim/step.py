@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
-from cramming.optim.base import check_layerwise_loop
+from cramming.errors import ConfigError
 
 log = logging.getLogger("cramming")
 
@@ -34,6 +34,16 @@ log = logging.getLogger("cramming")
 def autocast(device_type: str, dtype: torch.dtype) -> contextlib.AbstractContextManager:
     """Forward in the compute dtype `dtype` on `device_type`; fp32 runs without autocast."""
     return torch.autocast(device_type, dtype=dtype, enabled=dtype != torch.float32)
+
+
+def check_layerwise_loop(optimizer: torch.optim.Optimizer, *, grad_scaler: bool) -> None:
+    """Start-up check the training step makes once: raises ConfigError when a layerwise optimizer cannot do
+    its job (gradient accumulation, DDP and FSDP2 all work: cramming.optim.base's docstring)."""
+    if getattr(optimizer, "layerwise", False) and grad_scaler:
+        raise ConfigError(
+            "`*_layerwise` optimizers see the gradients before a GradScaler could unscale them: use bf16 or "
+            "fp32 (impl.precision), not fp16, or the name without `_layerwise`"
+        )
 
 
 @dataclass

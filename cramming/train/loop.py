@@ -3,13 +3,14 @@
     train()
       set_up()            model, train step, loader, clock; a resumable state restored when resuming
       while no stop reason:
-        run_update()      accumulate micro-batches (check_stop after each), then apply_update()
+        run_update()      accumulate micro-batches (the clock's stop rule after each), then apply_update()
         log / save state  every train.log_every updates / train.checkpoint_every_min minutes
-        run_hooks()       evaluations the entry point handed in (pretrain.py: anytime GLUE)
+        due evaluations   the hooks the entry point handed in (pretrain.py: anytime GLUE), run by metrics
       finish()            resumable state, final checkpoint, validation loss
 
-Its collaborators: the train step (cramming.optim.step), the ranks (parallel.Parallel), the resumable state
-(state), what is logged (metrics). Masks are keyed by stream row (mlm): neither the micro-batch size nor a
+Its collaborators: the train step (cramming.optim.step), the budget clock and its stop rule
+(cramming.budget), the ranks (parallel.Parallel), the resumable state (state), what is logged and evaluated
+(metrics). Masks are keyed by stream row (mlm): neither the micro-batch size nor a
 resume changes what is computed.
 
 The host measures elapsed time while the GPU may still be working through queued micro-batches; the one
@@ -20,6 +21,7 @@ update.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
@@ -29,16 +31,16 @@ import torch
 import torch._dynamo  # noqa: F401  imported before the budget clock starts: the first optimizer does it (5-10 s)
 from torch import nn
 
-from cramming.budget import BudgetClock
+from cramming.budget import BudgetClock, budget_clock
 from cramming.data import PretrainingData
 from cramming.errors import ConfigError, TrainingDiverged
 from cramming.model import build_model
 from cramming.model import checkpoint as model_checkpoint
 from cramming.optim import build_optimizer, format_state_report, optimizer_state_report
-from cramming.optim.schedules import LR_SCHEDULES, step_progress
+from cramming.optim.schedules import LR_SCHEDULES
 from cramming.optim.step import TrainStep
 from cramming.signals import STOP_SIGNALS, StopSignals, catch_stop_signals
-from cramming.train import autobatch, state
+from cramming.train import autobatch, sharded_state, state
 from cramming.train.batches import accumulation_steps, microbatches, numbered
 from cramming.train.config import PretrainRecipe
 from cramming.train.metrics import EvalHook, Metrics, log_model_size, log_set_up
@@ -118,7 +120,7 @@ def set_up(
         state.check_same_run(saved, data.identity(), asdict(cfg.arch))
     # reading the state is part of this run's set-up, on the budget; the downtime before it is not
     elapsed_before = saved.elapsed if saved else 0.0
-    budget = parallel.clock(cfg.budget, clock, elapsed_before + clock() - loading)
+    budget = budget_clock(cfg.budget, clock, elapsed_before + clock() - loading, ranks)
     dtype, why = cfg.impl.precision_choice(ranks.device)
     log.info("precision %s (%s)", str(dtype).removeprefix("torch."), why)
     seed_everything(cfg.seed)
@@ -128,7 +130,6 @@ def set_up(
     model = build_model(
         cfg.arch, data.vocab_size, device=ranks.device, dropout=train.dropout, **cfg.impl.kernel_choices()
     )
-    log_model_size(model, cfg.arch.name, data.vocab_size)
     masker = MLMMasker(train.mlm, data.vocab_size, data.special.all, data.special.mask, seed=cfg.seed)
     microbatch_size = autobatch.microbatch_size_for(
         cfg.impl.microbatch_size, model, masker, ranks.device, dtype, data.seq_length,
@@ -138,22 +139,23 @@ def set_up(
     # FSDP2 shards before the optimizer is built (it replaces the parameters); DDP wraps after it
     model = parallel.shard(model, dtype)
     step = make_train_step(model, cfg, parallel, dtype)
-    run = Run(
-        cfg, data, run_dir, parallel, model, parallel.wrap(model, step.optimizer), step, masker, budget,
-        microbatch_size, masker.predicted_per_row(data.seq_length),
-        Metrics(run_dir / "metrics.jsonl" if ranks.is_main else None, data.seq_length, hooks, on_record),
-        state.restore(saved, parallel, model, step) if saved else Progress(),
-        elapsed_before=elapsed_before,
-    )  # fmt: skip
-    run.last_save = budget.elapsed()
-    run.metrics.start_hooks(budget.fraction(), ranks.active)
-    if cfg.impl.compile_on(ranks.device):
-        run.step_model = torch.compile(run.step_model)  # compiles on the first micro-batches: on the budget
-    run.batches = training_batches(run)
+    step_model = parallel.wrap(model, step.optimizer)
+    progress = state.restore(saved, ranks, model, step) if saved else Progress()
+    metrics = Metrics(run_dir / "metrics.jsonl" if ranks.is_main else None, data.seq_length, hooks, on_record)
+    metrics.start_hooks(budget.fraction(), ranks.active)
+    log_model_size(model, cfg.arch.name, data.vocab_size)
+    predicted_per_row = masker.predicted_per_row(data.seq_length)
     log_set_up(
-        run.device, dtype, len(data.train), data.seq_length, microbatch_size, cfg.train,
-        probability_masking=cfg.arch.sparse_prediction and run.predicted_per_row is None,
+        ranks.device, dtype, len(data.train), data.seq_length, microbatch_size, cfg.train,
+        probability_masking=cfg.arch.sparse_prediction and predicted_per_row is None,
     )  # fmt: skip
+    if cfg.impl.compile_on(ranks.device):
+        step_model = torch.compile(step_model)  # compiles on the first micro-batches: on the budget
+    run = Run(
+        cfg, data, run_dir, parallel, model, step_model, step, masker, budget, microbatch_size,
+        predicted_per_row, metrics, progress, elapsed_before=elapsed_before, last_save=budget.elapsed(),
+    )  # fmt: skip
+    run.batches = training_batches(run)
     return run
 
 
@@ -203,36 +205,29 @@ def train(
     hooks: evaluations run between updates when due (each returns a metrics record). on_record: called with
     every metrics record after it is written (on rank 0, at log steps only)."""
     run = set_up(cfg, data, Path(run_dir), clock, hooks, on_record)
+    steps = cfg.train.steps if cfg.train.steps is not None else math.inf
     with catch_stop_signals() as signals:
         run.signals = signals
         run.metrics.restart_window()  # throughput from here, set-up excluded
-        reason = check_stop(run) or steps_done(run)  # a requeued job that had finished: straight to finish
+        # a requeued job that had finished goes straight to finish
+        reason = run.clock.stop_reason(signals.received) or (
+            "steps" if run.progress.updates >= steps else None
+        )
         # this process's first update is logged, a resumed run's too: that record alone covers the set-up and
         # one update, as the run card's split of the time (set-up, compile, train) reads it
         first = run.progress.updates + 1
         while reason is None:
             reason = run_update(run)
-            if run.progress.updates == first or run.progress.updates % cfg.train.log_every == 0:
-                log_progress(run)
+            progress, lr, skipped = run.progress, run.optimizer.param_groups[0]["lr"], run.step.stats.skipped
+            if progress.updates == first or progress.updates % cfg.train.log_every == 0:
+                run.metrics.log_progress(progress, lr, skipped, run.clock)
             if reason is None:
-                run_hooks(run)
-            reason = reason or steps_done(run)
+                tokens = progress.rows * data.seq_length
+                run.metrics.run_due_hooks(run.model, run.clock, progress, lr, skipped, tokens)
+            reason = reason or ("steps" if progress.updates >= steps else None)
             if reason is None and run.clock.elapsed() - run.last_save >= 60 * cfg.train.checkpoint_every_min:
                 save_state(run)
     return finish(run, reason)
-
-
-def steps_done(run: Run) -> str | None:
-    """ "steps" once train.steps updates are done."""
-    steps = run.cfg.train.steps
-    return "steps" if steps is not None and run.progress.updates >= steps else None
-
-
-def check_stop(run: Run) -> str | None:
-    """Checked after every micro-batch: a stop signal, or the budget spent. Several ranks stop after the same
-    micro-batch: they agree here on rank 0's clock and on a signal any of them received."""
-    received = run.parallel.agree(run.clock, run.signals.received if run.signals is not None else None)
-    return received or ("budget" if run.clock.expired() else None)
 
 
 def run_update(run: Run) -> str | None:
@@ -246,7 +241,15 @@ def run_update(run: Run) -> str | None:
         run.clock.fraction(), train.batch_size, mb, train.batch_size_ramp, train.batch_size_start
     )
     run.step_model.train()
-    run.step.begin(lr_factor(run))
+    schedule = LR_SCHEDULES[train.lr_schedule]
+    run.step.begin(
+        schedule.factor_for_update(
+            train.warmup,
+            budget_fraction=run.clock.fraction(),
+            updates=run.progress.updates,
+            steps=train.steps,
+        )
+    )
     sums = [torch.zeros((), device=run.device) for _ in range(3)]  # loss, correct predictions, predictions
     reason, done = None, 0
     rng = state.rng_state()
@@ -259,7 +262,7 @@ def run_update(run: Run) -> str | None:
                 total += value
         done += 1
         run.progress.microbatches += 1
-        reason = check_stop(run)
+        reason = run.clock.stop_reason(run.signals.received if run.signals is not None else None)
     if done < accumulate:
         run.optimizer.zero_grad(set_to_none=True)
         state.set_rng_state(rng)
@@ -307,35 +310,10 @@ def apply_update(run: Run, loss: torch.Tensor) -> bool:
     return False
 
 
-def lr_factor(run: Run) -> float:
-    """Multiplier of the peak learning rate for the update about to be applied."""
-    train = run.cfg.train
-    schedule = LR_SCHEDULES[train.lr_schedule]
-    by_budget = schedule.clock == "budget"
-    progress = run.clock.fraction() if by_budget else step_progress(run.progress.updates, train.steps)
-    return schedule.factor(progress, train.warmup)
-
-
-def log_progress(run: Run) -> None:
-    p = run.progress
-    run.metrics.log_progress(
-        p.updates, p.microbatches, run.optimizer.param_groups[0]["lr"], run.step.stats.skipped, run.clock
-    )
-
-
-def run_hooks(run: Run) -> None:
-    """Run each evaluation that is due on the current weights; the throughput figures leave its time out."""
-    for hook in run.metrics.due_hooks(run.clock.fraction()):
-        log_progress(run)  # closes the throughput window before the evaluation
-        run.metrics.run_hook(
-            hook, run.model, run.clock, run.progress.updates, run.progress.rows * run.data.seq_length
-        )
-
-
 def save_state(run: Run) -> None:
     """The resumable state, written by rank 0; the others only join in gathering a sharded (FSDP2) state."""
     saved = state.capture(
-        run.parallel, run.model, run.step, run.progress, run.clock.elapsed(), asdict(run.cfg.arch),
+        run.parallel.ranks, run.model, run.step, run.progress, run.clock.elapsed(), asdict(run.cfg.arch),
         run.data.path, run.data.identity(),
     )  # fmt: skip
     if saved is not None:
@@ -345,7 +323,9 @@ def save_state(run: Run) -> None:
 
 def finish(run: Run, reason: str) -> TrainResult:
     """Save what the run leaves behind; the final model only when training ended by its own rule."""
-    log_progress(run)
+    run.metrics.log_progress(
+        run.progress, run.optimizer.param_groups[0]["lr"], run.step.stats.skipped, run.clock
+    )
     log.info("stopping (%s) after %d updates, %s", reason, run.progress.updates, run.clock.describe())
     if run.progress.updates == 0 and reason not in STOP_SIGNALS:
         raise ConfigError(
@@ -378,7 +358,16 @@ def finish(run: Run, reason: str) -> TrainResult:
     )  # fmt: skip
     result.checkpoint = save_final_model(run, reason, elapsed, result.validation)
     run.parallel.barrier()  # every rank returns once the checkpoint is on disk
-    run_hooks(run)  # the evaluations due at the end of the budget, of the final model
+    # the evaluations due at the end of the budget, of the final model
+    tokens = run.progress.rows * run.data.seq_length
+    run.metrics.run_due_hooks(
+        run.model,
+        run.clock,
+        run.progress,
+        run.optimizer.param_groups[0]["lr"],
+        run.step.stats.skipped,
+        tokens,
+    )
     return result
 
 
@@ -389,7 +378,9 @@ def save_final_model(run: Run, reason: str, elapsed: float, validation: dict | N
         log.info("validation: loss %.4f, mlm acc %.3f", validation["loss"], validation["mlm_acc"])
         run.metrics.write({"update": run.progress.updates, **{f"val_{k}": v for k, v in validation.items()}})
     # whole weights on rank 0 (FSDP2: gathered into a CPU copy), None on the others
-    model = run.parallel.exportable_model(run.model, lambda: build_model(run.cfg.arch, run.data.vocab_size))
+    model = sharded_state.exportable_model(
+        run.model, run.parallel.ranks, lambda: build_model(run.cfg.arch, run.data.vocab_size)
+    )
     path = run.run_dir / model_checkpoint.CHECKPOINT_DIR
     if model is not None:
         data = run.data

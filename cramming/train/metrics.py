@@ -21,6 +21,7 @@ from cramming.budget import BudgetClock
 from cramming.errors import ConfigError, WriteFailed
 from cramming.model import count_parameters
 from cramming.train.config import TrainConfig
+from cramming.train.state import Progress
 from cramming.utils import per_second
 
 log = logging.getLogger("cramming")
@@ -73,17 +74,16 @@ class Metrics:
         """Throughput from here: after set-up, or after an evaluation."""
         self.window = Window()
 
-    def log_progress(
-        self, update: int, microbatches: int, lr: float, skipped: int, clock: BudgetClock
-    ) -> None:
+    def log_progress(self, progress: Progress, lr: float, skipped: int, clock: BudgetClock) -> None:
         """A log line and a metrics record for the updates since the last one."""
         w = self.window
         if w.updates == 0:
             return
         seconds = max(time.monotonic() - w.since, 1e-9)
+        update = progress.updates
         record = {
             "update": update,
-            "microbatches": microbatches,
+            "microbatches": progress.microbatches,
             "loss": float(w.loss) / w.updates,
             "mlm_acc": float(w.correct) / max(float(w.predicted), 1.0),
             "lr": lr,
@@ -130,16 +130,15 @@ class Metrics:
         for hook in self.hooks:
             hook.start(fraction_done)
 
-    def due_hooks(self, fraction: float) -> list[EvalHook]:
-        return [hook for hook in self.hooks if hook.due(fraction)]
-
-    def run_hook(
-        self, hook: EvalHook, model: nn.Module, clock: BudgetClock, update: int, tokens: int
+    def run_due_hooks(
+        self, model: nn.Module, clock: BudgetClock, progress: Progress, lr: float, skipped: int, tokens: int
     ) -> None:
-        """One evaluation on the current weights, its time left out of the throughput figures (the caller
-        closes the window before it). tokens: the training tokens seen so far."""
-        self.write(hook(model, clock, update, tokens))
-        self.restart_window()
+        """Each evaluation that is due, on the current weights; the throughput figures leave its time out (the
+        window is logged and closed before it). tokens: the training tokens seen so far."""
+        for hook in [hook for hook in self.hooks if hook.due(clock.fraction())]:
+            self.log_progress(progress, lr, skipped, clock)
+            self.write(hook(model, clock, progress.updates, tokens))
+            self.restart_window()
 
 
 # ------------------------------------------------------------------------------------------ set-up lines

@@ -17,14 +17,16 @@ What N processes compute is what one process computes with an N times larger mic
   * gradients: averaged over ranks (DDP all-reduce / FSDP2 reduce-scatter), once per update: the
     accumulation micro-batches run without synchronization (`grad_sync`).
   * the budget is wall-clock for the whole job: after every micro-batch the ranks agree on rank 0's elapsed
-    time and on any rank's stop signal (`AgreedClock.agree`), so they stop after the same micro-batch and the
-    schedule reads the same budget fraction everywhere.
+    time and on any rank's stop signal (cramming.budget.AgreedClock), so they stop after the same micro-batch
+    and the schedule reads the same budget fraction everywhere.
 Only rank 0 logs (the others keep warnings), writes metrics, the resumable state and the final checkpoint.
-How model and optimizer state are gathered from and loaded into the ranks' layout: cramming.train.sharded_state.
+How model and optimizer state are gathered from and loaded into the ranks' layout, and the final weights
+gathered for the checkpoint: cramming.train.sharded_state.
 
-The training loop talks to one object, `Parallel`: it wraps the model, turns gradient synchronization on for
-an update's last micro-batch, reduces the update's statistics, keeps the ranks' clocks agreed, gathers the
-state and the final weights, and waits for the other ranks.
+What the training loop does across the ranks goes through one object, `Parallel`: it wraps the model, turns
+gradient synchronization on for an update's last micro-batch, reduces the update's statistics and waits for
+the other ranks. The budget clock (cramming.budget.budget_clock) and the resumable state (cramming.train.state)
+meet the ranks in their own modules.
 """
 
 from __future__ import annotations
@@ -32,56 +34,16 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
-from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from cramming.budget import BudgetClock
 from cramming.errors import ConfigError
 from cramming.model.checkpoint import unwrap
-from cramming.train import sharded_state
 from cramming.train.ranks import Ranks
 
 log = logging.getLogger("cramming")
-
-# stop signals as numbers, so the ranks can agree on one with a max-reduction; the larger one wins
-SIGNAL_CODES = {"SIGTERM": 1, "SIGINT": 2}
-
-
-# ---------------------------------------------------------------------------------------------------- budget
-
-
-class AgreedClock(BudgetClock):
-    """The budget clock of a multi-process run: every reading is rank 0's elapsed time as agreed at the last
-    `agree()` (collective: after every micro-batch, in check_stop). So all ranks take the same stop decision,
-    accumulation count and learning rate, whatever their own clocks say."""
-
-    def __init__(
-        self,
-        ranks: Ranks,
-        budget_hours: float,
-        clock: Callable[[], float],
-        elapsed_before: float = 0.0,
-    ):
-        super().__init__(budget_hours, clock, elapsed_before)
-        self._ranks = ranks
-        self._agreed = elapsed_before
-        self.agree(None)  # start from one reading: the first periodic save comes at the same time everywhere
-
-    def elapsed(self) -> float:
-        return self._agreed
-
-    def agree(self, received: str | None) -> str | None:
-        """Take rank 0's elapsed time; returns the stop signal any rank received (SIGINT before SIGTERM)."""
-        mine = super().elapsed() if self._ranks.is_main else 0.0
-        values = torch.tensor([mine, SIGNAL_CODES.get(received, 0)], dtype=torch.float64)
-        dist.all_reduce(values, op=dist.ReduceOp.MAX, group=self._ranks.control)
-        self._agreed = values[0].item()
-        code = int(values[1].item())
-        return next((name for name, c in SIGNAL_CODES.items() if c == code), None)
-
 
 # ------------------------------------------------------------------------------------------------- the model
 
@@ -98,8 +60,9 @@ def _fsdp2(model: nn.Module, device: torch.device) -> nn.Module:
 
 def _lift_scalars(model: nn.Module) -> None:
     """fully_shard refuses 0-dim parameters (the scaled-sinusoidal position scale): make them 1-element
-    vectors, which broadcast the same. Their names are kept in `model.lifted_scalars`; full_state and
-    load_full_state turn them back, so states and checkpoints have one format whatever the mode."""
+    vectors, which broadcast the same. Their names are kept in `model.lifted_scalars`; sharded_state's
+    full_state and load_full_state turn them back, so states and checkpoints have one format whatever the
+    mode."""
     model.lifted_scalars = {name for name, param in model.named_parameters() if param.ndim == 0}
     for name in model.lifted_scalars:
         owner_name, _, attr = name.rpartition(".")
@@ -170,14 +133,6 @@ class Parallel:
 
     # --- every update ----------------------------------------------------------------------------------
 
-    def clock(
-        self, budget_hours: float, clock: Callable[[], float], elapsed_before: float = 0.0
-    ) -> BudgetClock:
-        """The budget clock: this process's own, or with several ranks rank 0's as they agree on it."""
-        if not self.active:
-            return BudgetClock(budget_hours, clock, elapsed_before)
-        return AgreedClock(self.ranks, budget_hours, clock, elapsed_before)
-
     def grad_sync(self, step_model: nn.Module, sync: bool) -> contextlib.AbstractContextManager:
         """Around one micro-batch's forward/backward: gradients are reduced over the ranks only when `sync`
         (the last micro-batch of an update); the others accumulate locally."""
@@ -200,26 +155,7 @@ class Parallel:
         dist.all_reduce(stats)
         return list(stats.unbind())
 
-    def agree(self, clock: BudgetClock, received: str | None) -> str | None:
-        """After every micro-batch: the stop signal any rank received, with the clocks agreed on rank 0's."""
-        return clock.agree(received) if self.active else received
-
-    # --- state and the end -----------------------------------------------------------------------------
-
-    def full_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
-        """Model and optimizer state as one process holds them (collective; {} on ranks other than 0 under
-        FSDP2): cramming.train.sharded_state."""
-        return sharded_state.full_state(model, optimizer, self.ranks)
-
-    def load_full_state(
-        self, model: nn.Module, optimizer: torch.optim.Optimizer, model_state: dict, optimizer_state: dict
-    ) -> None:
-        sharded_state.load_full_state(model, optimizer, model_state, optimizer_state, self.ranks)
-
-    def exportable_model(self, model: nn.Module, build: Callable[[], nn.Module]) -> nn.Module | None:
-        """Whole weights on rank 0 for the final checkpoint (FSDP2: gathered into a CPU copy made by
-        `build`); None on the other ranks."""
-        return sharded_state.exportable_model(model, self.ranks, build)
+    # --- the end -----------------------------------------------------------------------------------
 
     def barrier(self) -> None:
         """Wait for every rank (e.g. until rank 0 has written the final checkpoint)."""

@@ -2,7 +2,7 @@
 
     TrainingState      model, optimizer, train step (scaler, skip counters), progress, elapsed budget, RNG,
                        the architecture and the data's identity, behind STATE_VERSION
-    capture / save     gathered from the ranks (Parallel.full_state), written by rank 0
+    capture / save     gathered from the ranks (sharded_state.full_state), written by rank 0
     find_resume_state  which state a run continues from (its own folder, or resume=true), read and checked
     restore            loaded into this job's model, optimizer and step, in its own layout
 
@@ -27,7 +27,8 @@ from torch import nn
 from cramming.errors import ConfigError, WriteFailed, first_line
 from cramming.model.checkpoint import CHECKPOINT_DIR
 from cramming.optim.step import TrainStep
-from cramming.train.parallel import Parallel
+from cramming.train import sharded_state
+from cramming.train.ranks import Ranks
 from cramming.utils import atomic_file, check_free_space, newest_run_dir, process_alive, tensor_bytes
 
 log = logging.getLogger("cramming")
@@ -90,7 +91,7 @@ def _upgrade(state: dict, path: Path) -> dict:
 
 
 def capture(
-    parallel: Parallel,
+    ranks: Ranks,
     model: nn.Module,
     step: TrainStep,
     progress: Progress,
@@ -100,8 +101,8 @@ def capture(
     data_identity: dict,
 ) -> TrainingState | None:
     """The state of the run now, on rank 0 (None on the others, which only join in gathering FSDP2 shards)."""
-    model_state, optimizer_state = parallel.full_state(model, step.optimizer)
-    if not parallel.ranks.is_main:
+    model_state, optimizer_state = sharded_state.full_state(model, step.optimizer, ranks)
+    if not ranks.is_main:
         return None
     return TrainingState(
         model=model_state,
@@ -205,10 +206,10 @@ def check_same_run(state: TrainingState, data_identity: dict, arch: dict) -> Non
         )
 
 
-def restore(state: TrainingState, parallel: Parallel, model: nn.Module, step: TrainStep) -> Progress:
+def restore(state: TrainingState, ranks: Ranks, model: nn.Module, step: TrainStep) -> Progress:
     """Load the state into this job's model, optimizer and train step (each rank in its own layout) and the
     RNG; returns the progress to continue from."""
-    parallel.load_full_state(model, step.optimizer, state.model, state.optimizer)
+    sharded_state.load_full_state(model, step.optimizer, state.model, state.optimizer, ranks)
     step.load_state_dict(state.step)
     set_rng_state(state.rng)
     return Progress(**asdict(state.progress))
