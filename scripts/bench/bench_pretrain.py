@@ -599,12 +599,8 @@ def autobatch_report(args: argparse.Namespace) -> str:
     return "\n".join(lines) + "\n"
 
 
-def parse_args() -> argparse.Namespace:
-    """The command line; the defaults differ with and without CUDA."""
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    cuda = torch.cuda.is_available()
+def add_model_arguments(parser: argparse.ArgumentParser, cuda: bool) -> None:
+    """What is timed: the shape, the data, the precisions, the candidates beside ours and the kernels."""
     parser.add_argument("--arch", default="crammed-bert", help="a name in conf/arch")
     parser.add_argument(
         "--set", nargs="*", default=None, help="arch overrides key=value (CPU default: a small shape)"
@@ -638,6 +634,15 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--layernorm", default="torch")
     parser.add_argument("--ffn-activation", default="torch", help="torch | triton (fused gated GELU)")
     parser.add_argument("--loss", default="torch", help="torch | triton (fused cross-entropy)")
+
+
+def parse_args() -> argparse.Namespace:
+    """The command line; the defaults differ with and without CUDA."""
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    cuda = torch.cuda.is_available()
+    add_model_arguments(parser, cuda)
     parser.add_argument("--workers", type=int, default=2, help="DataLoader workers (impl.num_workers)")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=3 if not cuda else 10)
