@@ -154,6 +154,15 @@ PLAN = (
         120,
         overrides=("arch.num_layers=6", "train.optim.lr=2e-3", "impl.compile=true"),
     ),
+    # The two-hour six-layer recipe again with pretraining seed 1: its seed 0 scored 61.20, level with the 5-gram
+    # to one decimal, and one run alone cannot say whether that is the recipe or the draw.
+    Point(
+        "tiny-120-6layers-lr2e3-s1",
+        "bert-tiny",
+        120,
+        seed=1,
+        overrides=("arch.num_layers=6", "train.optim.lr=2e-3", "impl.compile=true"),
+    ),
 )
 BY_LABEL = {p.label: p for p in PLAN}
 
