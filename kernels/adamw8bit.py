@@ -27,7 +27,7 @@ from cramming.kernels import triton_status
 
 BLOCKS_PER_PROGRAM = 4  # 1024 elements per program: enough bytes in flight for a memory-bound update
 QBLOCK = 256  # elements per quantization block (one fp32 absmax each), cramming.optim.quant's 8-bit block
-# launch options, shared with scripts/aot_check.py: no mul+add -> fma contraction, so the kernel rounds exactly
+# launch options, shared with scripts/checks/aot_check.py: no mul+add -> fma contraction, so the kernel rounds exactly
 # as the PyTorch reference does
 LAUNCH = {"num_warps": 4, "enable_fp_fusion": False}
 

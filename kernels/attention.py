@@ -467,7 +467,7 @@ def attention_tiles(
     dropout: bool,
     alibi: bool = False,
 ) -> AttentionBlocks:
-    """The tiles the launcher uses for one call; `scripts/aot_check.py` compiles exactly these.
+    """The tiles the launcher uses for one call; `scripts/checks/aot_check.py` compiles exactly these.
 
     cc: the CUDA compute capability, e.g. (8, 6); None in the interpreter, which has no registers to run
     out of and pays per program: the sm_90 choice, whatever the dtype. No block is wider than the sequence
@@ -483,7 +483,7 @@ def attention_tiles(
         fwd_m = min(16, cap) if alibi and head_dim > 64 else small
         return AttentionBlocks(fwd_m, small, warps, 16, small, 4, 16, small, warps, stages=2)
     big = head_dim > 64
-    # Measured with scripts/aot_check.py (results/kernels/aot.md), the widest tiles that do not spill:
+    # Measured with scripts/checks/aot_check.py (results/kernels/aot.md), the widest tiles that do not spill:
     # Ampere/Ada (operands of mma in registers, not shared memory as Hopper's wgmma) needs 8 warps for a
     # 128-row forward tile (4 spill with triton 3.6 on sm_86/89), 16 query rows per dK/dV step (Hopper 32),
     # and with dropout the fused-dQ path holds too much there, so it goes to the dQ kernel.

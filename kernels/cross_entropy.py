@@ -84,7 +84,7 @@ def _cross_entropy_bwd_kernel(
 
 
 def cross_entropy_tiles(vocab: int) -> tuple[int, int]:
-    """(vocabulary columns per step, warps) of both kernels; `scripts/aot_check.py` compiles these."""
+    """(vocabulary columns per step, warps) of both kernels; `scripts/checks/aot_check.py` compiles these."""
     return min(4096, max(16, triton.next_power_of_2(vocab))), 8
 
 

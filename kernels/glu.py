@@ -65,7 +65,7 @@ def _glu_bwd_kernel(
 
 
 def glu_tiles(width: int) -> tuple[int, int]:
-    """(columns per program, warps) of both kernels for an output of `width` columns; `scripts/aot_check.py`
+    """(columns per program, warps) of both kernels for an output of `width` columns; `scripts/checks/aot_check.py`
     compiles these."""
     return min(1024, max(16, triton.next_power_of_2(width))), 4
 

@@ -109,7 +109,7 @@ def _layer_norm_bwd_kernel(
 
 
 def layer_norm_tiles(width: int, on_gpu: bool) -> tuple[int, int, int]:
-    """(rows per tile, padded row width, warps) of both kernels; `scripts/aot_check.py` compiles these.
+    """(rows per tile, padded row width, warps) of both kernels; `scripts/checks/aot_check.py` compiles these.
 
     On a GPU, tiles of about 4096 elements (16 fp32 registers a thread at 8 warps); in the interpreter,
     where every program costs milliseconds, as many rows as fit in 16384 elements."""

@@ -1,4 +1,4 @@
-"""scripts/chaos.py, short: a tiny CPU pretraining stopped once by SIGTERM and once by SIGKILL at random
+"""scripts/checks/chaos.py, short: a tiny CPU pretraining stopped once by SIGTERM and once by SIGKILL at random
 points, resumed each time, ends with the weights of an uninterrupted run (exactly: same code path, same
 inputs, deterministic single-threaded CPU), leaves no temporary file and only states that load."""
 
@@ -17,7 +17,7 @@ REPO = Path(__file__).resolve().parent.parent
 def test_interrupted_and_resumed_run_ends_identical(tmp_path):
     out = tmp_path / "reliability.md"
     done = subprocess.run(
-        [sys.executable, "scripts/chaos.py", "--interruptions", "2", "--steps", "30",
+        [sys.executable, "scripts/checks/chaos.py", "--interruptions", "2", "--steps", "30",
          "--workdir", str(tmp_path / "runs"), "--out", str(out)],
         cwd=REPO, capture_output=True, text=True, timeout=600,
     )  # fmt: skip

@@ -1,7 +1,7 @@
 """Every Triton kernel compiles for real GPUs, with the launchers' tiles, without spilling registers.
 
 Compiles (does not run) the kernels for sm_86 (Ampere's register file and its smaller 99 KB of shared
-memory) and sm_90 (Hopper) in bf16 with `scripts/aot_check.py --subset`: no GPU needed, only triton's
+memory) and sm_90 (Hopper) in bf16 with `scripts/checks/aot_check.py --subset`: no GPU needed, only triton's
 NVIDIA backend and the ptxas it ships. The full grid (sm_80/86/89/90 x bf16/fp16/fp32) is the script's
 default run, whose table is results/kernels/aot.md.
 """
@@ -29,7 +29,7 @@ def test_every_kernel_compiles_without_spills_within_shared_memory(tmp_path):
     out = tmp_path / "aot.md"
     env = {**os.environ, "TRITON_INTERPRET": "0"}  # the interpreter would replace the JIT functions
     result = subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "aot_check.py"), "--subset", "--out", str(out)],
+        [sys.executable, str(REPO / "scripts" / "checks" / "aot_check.py"), "--subset", "--out", str(out)],
         env=env,
         capture_output=True,
         text=True,

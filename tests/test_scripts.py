@@ -52,7 +52,7 @@ def private_imports(source: str) -> set[str]:
 
 def test_there_are_scripts_in_each_folder():
     folders = {path.parent.relative_to(REPO).as_posix() for path in SCRIPTS}
-    assert {"scripts", "scripts/bench", "scripts/studies"} <= folders
+    assert {"scripts", "scripts/checks", "scripts/bench", "scripts/studies"} <= folders
     top = [path for path in (REPO / "scripts").iterdir() if path.is_file()]
     assert len(top) <= 12, sorted(path.name for path in top)
 

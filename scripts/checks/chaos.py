@@ -1,7 +1,7 @@
 """Chaos test of pretraining: a tiny CPU run interrupted at random points by SIGKILL and SIGTERM (often in the
 middle of an update), resumed each time, then compared with an uninterrupted run of the same seed.
 
-    python scripts/chaos.py --interruptions 6 --out results/reliability/chaos.md
+    python scripts/checks/chaos.py --interruptions 6 --out results/reliability/chaos.md
 
 Checks: the final weights are identical (max |dw| = 0), every state.pt / state.prev.pt left behind loads, no
 temporary file is left behind, and the budget a SIGTERM-stopped segment charged matches the wall time it spent
@@ -30,7 +30,7 @@ import torch
 from cramming.model.checkpoint import load_pretrained
 from cramming.train import state as train_state
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 MICROBATCH, BATCH = 8, 32  # 4 micro-batches per update: most signals land in the middle of one
 TEMPORARY = re.compile(r"(\.tmp|\.next|\.partial)$")
@@ -286,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     rows = run_chaos(args.workdir, args.interruptions, args.steps, args.seed, random.Random(args.seed))
-    command = f"python scripts/chaos.py --interruptions {args.interruptions} --steps {args.steps} --seed {args.seed}"
+    command = f"python scripts/checks/chaos.py --interruptions {args.interruptions} --steps {args.steps} --seed {args.seed}"
     text, ok = report(rows, stray_files(args.workdir), unloadable_states(args.workdir), command)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(text)

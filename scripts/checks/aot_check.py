@@ -1,8 +1,8 @@
 """Compile every Triton kernel for real NVIDIA GPUs without one: registers, spills, shared memory.
 
-    python scripts/aot_check.py                       # full grid -> results/kernels/aot.md (~15 min, 1 core)
-    python scripts/aot_check.py --subset              # the part tests/test_kernels_aot.py checks
-    python scripts/aot_check.py --targets 86 --kernels attention --dtypes bf16 --out -
+    python scripts/checks/aot_check.py                       # full grid -> results/kernels/aot.md (~15 min, 1 core)
+    python scripts/checks/aot_check.py --subset              # the part tests/test_kernels_aot.py checks
+    python scripts/checks/aot_check.py --targets 86 --kernels attention --dtypes bf16 --out -
 
 Each kernel is compiled (`triton.compile` of an `ASTSource`, for a `GPUTarget`) with exactly the tiles,
 warps and stages its launcher picks for the shapes our configs use, through the same pure functions the
@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 # Maximum shared memory per block (opt-in), bytes: CUDA C++ Programming Guide, "Technical Specifications per
 # Compute Capability" (8.0: 163 KB, 8.6: 99 KB, 8.9: 99 KB, 9.0: 227 KB).
@@ -595,7 +595,7 @@ def main(argv: list[str] | None = None) -> int:
         results = run(args.kernels, args.targets, args.dtypes, None if args.quiet else print_progress)
         wall = time.perf_counter() - start
         comparison = gpu_comparison(results) if args.compare_gpu else ""
-    command = "python scripts/aot_check.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = "python scripts/checks/aot_check.py " + " ".join(argv if argv is not None else sys.argv[1:])
     versions = f"triton {triton.__version__}, torch {torch.__version__}"
     text = markdown(results, command.strip(), versions, wall)
     if comparison:

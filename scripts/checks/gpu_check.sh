@@ -4,7 +4,7 @@
 #   1. the kernel tests on CUDA (fp32/fp16 at the awkward CPU shapes, then bf16/fp16 at BERT shapes and
 #      the speed checks marked `gpu`; ALiBi included: parity with the SDPA path given the dense float bias,
 #      and no bias tensor in the kernel's peak memory), and the FLOP-count tests;
-#   2. scripts/aot_check.py --compare-gpu: the AOT compile of every kernel for this GPU's target (bf16)
+#   2. scripts/checks/aot_check.py --compare-gpu: the AOT compile of every kernel for this GPU's target (bf16)
 #      beside the registers and spills the driver reports for the kernels the launchers really compiled;
 #   3. scripts/bench/bench_kernels.py: attention, LayerNorm, gated GELU and cross-entropy against PyTorch, bf16,
 #      batch 128, 12 heads, seq 128 and 512, head_dim 64, and attention with ALiBi against the model's SDPA
@@ -23,10 +23,10 @@
 # results/optimizers/fsdp2-galore-<gpu>-metrics.jsonl), and copies them to $OUT (same paths) when set.
 # Needs python with torch (CUDA), triton, pytest, transformers and PyYAML; not hydra, datasets or evaluate.
 #
-#   bash scripts/gpu_check.sh                 # PYTHON=python3.12 bash scripts/gpu_check.sh to choose one
+#   bash scripts/checks/gpu_check.sh                 # PYTHON=python3.12 bash scripts/checks/gpu_check.sh to choose one
 set -uo pipefail
 
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 REPO=$(pwd)
 PY=${PYTHON:-python3}
 
@@ -90,7 +90,7 @@ TEST_RC=${PIPESTATUS[0]}
 echo "== AOT compile against the real build ($(date -u +%T))"
 AOT_MD="results/kernels/aot-${GPU}.md"
 CC=$($PY -c "import torch; a, b = torch.cuda.get_device_capability(); print(f'{a}{b}')")
-stage 90 $PY scripts/aot_check.py --targets "$CC" --dtypes bf16 --compare-gpu --quiet --out "$AOT_MD"
+stage 90 $PY scripts/checks/aot_check.py --targets "$CC" --dtypes bf16 --compare-gpu --quiet --out "$AOT_MD"
 AOT_RC=$?
 
 echo "== benchmarks ($(date -u +%T))"
