@@ -75,9 +75,7 @@ def evaluate_blimp(config: EvalRunConfig, card: RunCard) -> float:
     checkpoint, lm = load_masked_lm(config)
     run_dir, sweep_job = job_folder()
     continues = blimp.earlier_evaluation(run_dir, config.resume, config.base_dir, config.name, sweep_job)
-    blimp.take_up(
-        continues, run_dir, blimp.recipe_of(config.blimp, str(checkpoint)), config.resume, config.name
-    )
+    blimp.take_up(continues, run_dir, blimp.recipe_of(config.blimp, str(checkpoint)))
     trackers = start_trackers(config.trackers, config.tracking, card, continues)
     results = blimp.evaluate(lm, config.blimp, run_dir, Path(config.base_dir) / "data" / "hf")
     card.record_blimp(checkpoint, results)

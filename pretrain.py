@@ -17,11 +17,11 @@ from cramming.data import PretrainingData, prepare_pretraining_data
 from cramming.eval.anytime import AnytimeEval
 from cramming.job.exits import RunStopped, stop_at_once
 from cramming.job.runcard import RunCard, run_entry_point, run_job
+from cramming.job.summary import summary
 from cramming.job.trackers import start_trackers
+from cramming.ranks import init_from_env, local_main_first, rank_zero_value, shutdown
 from cramming.train import state as train_state
 from cramming.train.loop import TrainResult, train
-from cramming.train.ranks import init_from_env, local_main_first, rank_zero_value, shutdown
-from cramming.train.summary import summary
 
 log = logging.getLogger("cramming")
 register_configs()
@@ -36,7 +36,7 @@ def main(cfg: DictConfig) -> float | None:
 
 def pretrain(cfg: DictConfig, card: RunCard) -> float | None:
     config = validate(cfg)
-    ranks = init_from_env(config.impl)  # under torchrun: one process per GPU
+    ranks = init_from_env(config.impl.torch_device(), config.impl.distributed)  # under torchrun: one per GPU
     # one process per machine preprocesses (or finds the cache); the others then load its result. A stop
     # signal here stops at once: the half-built data folder is removed and the card says interrupted
     with card.timed("data"), local_main_first(ranks), stop_at_once("preprocessing"):
@@ -63,7 +63,7 @@ def pretrain(cfg: DictConfig, card: RunCard) -> float | None:
     shutdown()
     card.record_pretraining(
         stop_reason=result.stop_reason,
-        updates=result.progress.updates,
+        updates=result.updates,
         rows=result.progress.rows,
         elapsed=result.elapsed,
         elapsed_before=result.elapsed_before,
@@ -82,7 +82,7 @@ def summarize(config: PretrainConfig, result: TrainResult, data: PretrainingData
     return summary(
         arch=config.arch.name,
         hidden_size=config.arch.hidden_size,
-        updates=result.progress.updates,
+        updates=result.updates,
         tokens=result.progress.rows * data.seq_length,
         minutes=result.elapsed / 60,
         validation=result.validation,

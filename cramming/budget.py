@@ -18,6 +18,8 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
+from cramming.ranks import Ranks
+
 
 class BudgetClock:
     def __init__(
@@ -111,10 +113,10 @@ class AgreedClock(BudgetClock):
 
 
 def budget_clock(
-    budget_hours: float, clock: Callable[[], float], elapsed_before: float = 0.0, ranks=None
+    budget_hours: float, clock: Callable[[], float], elapsed_before: float = 0.0, ranks: Ranks | None = None
 ) -> BudgetClock:
-    """The run's budget clock: this process's own, or, with several ranks (a cramming.train.ranks.Ranks that is
-    active), rank 0's as they agree on it."""
+    """The run's budget clock: this process's own, or, with several ranks (`ranks` active), rank 0's as they
+    agree on it."""
     if ranks is None or not ranks.active:
         return BudgetClock(budget_hours, clock, elapsed_before)
     return AgreedClock(budget_hours, clock, elapsed_before, is_main=ranks.is_main, group=ranks.control)

@@ -23,10 +23,11 @@ from cramming.eval.config import EvalRunConfig
 from cramming.impl import ImplConfig
 from cramming.job.cluster import job_minutes
 from cramming.model.config import ArchConfig
+from cramming.runs import claim_run_dir
 from cramming.trackers.config import TrackingConfig
 from cramming.trackers.registry import check_trackers
-from cramming.train.config import TrainConfig, check_batch_division
-from cramming.utils import claim_run_dir
+from cramming.train.autobatch import check_batch_division
+from cramming.train.config import TrainConfig
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 

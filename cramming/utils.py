@@ -1,8 +1,7 @@
-"""Small shared helpers: logging set-up, seeding, atomic file writes, run-folder lookup."""
+"""Small shared helpers: seeding, atomic file writes, free space, processes, rates."""
 
 from __future__ import annotations
 
-import itertools
 import logging
 import os
 import random
@@ -17,7 +16,7 @@ from typing import BinaryIO
 import numpy as np
 import torch
 
-from cramming.errors import ConfigError, WriteFailed, config_error
+from cramming.errors import WriteFailed
 
 log = logging.getLogger("cramming")
 
@@ -131,63 +130,6 @@ def flatten(tree: dict, sep: str = ".", prefix: str = "") -> dict[str, object]:
         else:
             flat[f"{prefix}{key}"] = value
     return flat
-
-
-def newest_run_dir(base_dir: str | os.PathLike, name: str, containing: str) -> Path | None:
-    """The newest run folder `{base_dir}/{name}/<timestamp>[_<n>]/` that holds `containing` (a relative path),
-    or None.
-
-    Run folders are named by start time (%Y-%m-%d_%H-%M-%S), so the newest sorts last; runs started in the
-    same second are numbered in the order they claimed their folder (claim_run_dir).
-    """
-    root = Path(base_dir) / name
-    if not root.is_dir():
-        return None
-    runs = sorted((p for p in root.iterdir() if p.is_dir() and (p / containing).exists()), key=_run_order)
-    return runs[-1] if runs else None
-
-
-def _run_order(folder: Path) -> tuple[str, int]:
-    stamp, _, number = folder.name.rpartition("_")
-    return (stamp, int(number)) if stamp and number.isdigit() else (folder.name, 1)
-
-
-# claim_run_dir answers the same for the same arguments within a process: Hydra may resolve the folder's
-# interpolation more than once, and each must name the folder claimed the first time
-_CLAIMED: dict[tuple[str, str, str], str] = {}
-
-
-def claim_run_dir(base_dir: str, name: str, stamp: str) -> str:
-    """Create and return a run folder `{base_dir}/{name}/{stamp}` that no other process has: when another run
-    started in the same second took it, `{stamp}_2`, `{stamp}_3`, ... (os.mkdir either creates a folder or
-    fails, so two processes never both get one). Hydra resolves `hydra.run.dir` through this (the
-    `run_dir` resolver) before it makes the folder, so a bad `name` or `base_dir` fails before anything is
-    made.
-
-    Raises ConfigError for a name that is not a plain folder name or a base_dir that cannot be written."""
-    key = (str(base_dir), str(name), str(stamp))
-    if key in _CLAIMED:
-        return _CLAIMED[key]
-    name = str(name)
-    if not name or name in (".", "..") or "/" in name or "\\" in name:
-        raise config_error("name", name, "use a plain folder name without '/' (outputs go to base_dir/name/)")
-    root = Path(base_dir) / name
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-        for number in itertools.count(1):
-            folder = root / (stamp if number == 1 else f"{stamp}_{number}")
-            try:
-                folder.mkdir()
-                break
-            except FileExistsError:
-                continue
-    except OSError as err:
-        raise ConfigError(
-            f"cannot create the run folder under base_dir={base_dir!r}: {err}. Set base_dir to a folder"
-            " you can write to, e.g. base_dir=outputs"
-        ) from err
-    _CLAIMED[key] = str(folder)
-    return str(folder)
 
 
 def launched_by_torchrun() -> bool:

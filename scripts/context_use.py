@@ -1,4 +1,4 @@
-"""Does a pretrained model use context? The diagnostic of cramming/train/context.py for any checkpoint:
+"""Does a pretrained model use context? The diagnostic of cramming/train/validation.py for any checkpoint:
 
     python scripts/context_use.py <run folder | run name> [--base-dir outputs] [--rows 2048] [--data <folder>]
 
@@ -19,8 +19,8 @@ import torch
 from cramming.data import load_pretraining_data
 from cramming.model.checkpoint import CHECKPOINT_DIR, load_pretrained, resolve_checkpoint
 from cramming.train.config import MLMConfig
-from cramming.train.context import context_use, describe
 from cramming.train.mlm import MLMMasker
+from cramming.train.validation import context_use, describe
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -30,9 +30,11 @@ from test_train import FakeClock, make_config, run_dir, synthetic_data
 from cramming.errors import ConfigError
 from cramming.impl import PARALLEL_MODES
 from cramming.optim import LeanOptimizer, optimizer_state_report
+from cramming.optim.step import TrainStep
+from cramming.ranks import shutdown
 from cramming.train import loop
+from cramming.train.mlm import MLMObjective
 from cramming.train.parallel import Parallel
-from cramming.train.ranks import shutdown
 
 torch.set_num_threads(1)
 # scenario lowbit: the optimizers run under FSDP2, and how many updates (tests/test_distributed.py compares
@@ -77,20 +79,20 @@ def whole(param: torch.Tensor) -> torch.Tensor:
 
 
 def watch_parameters(differences: list[float]):
-    """apply_update, then the largest difference of this rank's parameters to rank 0's."""
+    """TrainStep.apply, then the largest difference of this rank's parameters to rank 0's."""
 
-    def make(apply_update):
-        def checked(run, loss):
-            applied = apply_update(run, loss)
-            flat = torch.cat([whole(p).reshape(-1) for p in run.model.parameters()])
+    def make(apply):
+        def checked(self):
+            update = apply(self)
+            flat = torch.cat([whole(p).reshape(-1) for p in self.model.parameters()])
             reference = flat.clone()
             dist.broadcast(reference, src=0)
             differences.append((flat - reference).abs().max().item())
-            return applied
+            return update
 
         return checked
 
-    return patched(loop, "apply_update", make)
+    return patched(TrainStep, "apply", make)
 
 
 def count_allreduces(per_microbatch: list[int]):
@@ -112,64 +114,64 @@ def count_allreduces(per_microbatch: list[int]):
 
         return wrapped_with_hook
 
-    def make_forward_backward(forward_backward):
-        def counted(run, input_ids, loss_scale):
+    def make_microbatch(microbatch):
+        def counted(self, forward, *args):
             before = calls[0]
-            out = forward_backward(run, input_ids, loss_scale)
+            microbatch(self, forward, *args)
             per_microbatch.append(calls[0] - before)
-            return out
 
         return counted
 
     stack = contextlib.ExitStack()
     stack.enter_context(patched(Parallel, "wrap", make_wrap))
-    stack.enter_context(patched(loop, "forward_backward", make_forward_backward))
+    stack.enter_context(patched(TrainStep, "microbatch", make_microbatch))
     return stack
 
 
 def record_lr(rates: list[float]):
     """The learning rate of every applied update, as this rank set it."""
 
-    def make(apply_update):
-        def recorded(run, loss):
-            applied = apply_update(run, loss)
-            rates.append(run.optimizer.param_groups[0]["lr"])
-            return applied
+    def make(apply):
+        def recorded(self):
+            update = apply(self)
+            if update.applied:
+                rates.append(self.optimizer.param_groups[0]["lr"])
+            return update
 
         return recorded
 
-    return patched(loop, "apply_update", make)
+    return patched(TrainStep, "apply", make)
 
 
 def ticking(clock: FakeClock, signal_at: int | None = None):
     """Advance this rank's fake clock by its tick every micro-batch; optionally SIGINT itself at one."""
     calls = [0]
 
-    def make(forward_backward):
-        def timed(run, input_ids, loss_scale):
+    def make(objective):
+        def timed(self, model, batch):
             calls[0] += 1
             clock.now += clock.tick
             if calls[0] == signal_at:
                 os.kill(os.getpid(), signal.SIGINT)
-            return forward_backward(run, input_ids, loss_scale)
+            return objective(self, model, batch)
 
         return timed
 
-    return patched(loop, "forward_backward", make)
+    return patched(MLMObjective, "__call__", make)
 
 
 def state_report(reports: list[dict]):
     """The optimizer state report (this rank's bytes) after the run's last update."""
 
-    def make(apply_update):
-        def reported(run, loss):
-            applied = apply_update(run, loss)
-            reports[:] = [optimizer_state_report(run.optimizer)]
-            return applied
+    def make(apply):
+        def reported(self):
+            update = apply(self)
+            reports[:] = [optimizer_state_report(self.optimizer)]
+            return update
 
         return reported
 
-    return patched(loop, "apply_update", make)
+    return patched(TrainStep, "apply", make)
 
 
 def held_gradients(held: list[int]):
@@ -246,7 +248,7 @@ def fsdp2_held_gradients(held: list[int]):
 def summary(result: loop.TrainResult) -> dict:
     return {
         "reason": result.stop_reason,
-        "progress": vars(result.progress),
+        "progress": {**vars(result.progress), "updates": result.updates},
         "elapsed": result.elapsed,
         "run_dir": str(result.run_dir),
         "checkpoint": str(result.checkpoint) if result.checkpoint else None,

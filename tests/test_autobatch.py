@@ -15,7 +15,7 @@ from cramming.model import ArchConfig, build_model
 from cramming.train import autobatch, loop
 from cramming.train.autobatch import TooLarge, choose_microbatch, search
 from cramming.train.config import MLMConfig
-from cramming.train.mlm import MLMMasker
+from cramming.train.mlm import MLMMasker, MLMObjective
 
 SIZES = [1, 2, 4, 8, 16, 32, 64]
 
@@ -85,16 +85,22 @@ def test_cpu_cap_is_a_power_of_two_that_shrinks_with_memory():
 def test_choose_measures_once_then_reuses_the_cache(tmp_path, monkeypatch):
     arch = ArchConfig(name="t", num_layers=1, hidden_size=16, num_heads=2, intermediate_size=32)
     model = build_model(arch, 64, dropout=0.0)
-    masker = MLMMasker(MLMConfig(), 64, (0, 1, 2, 3, 4), mask_id=4)
+    objective = MLMObjective(
+        MLMMasker(MLMConfig(), 64, (0, 1, 2, 3, 4), mask_id=4), torch.device("cpu"), None
+    )
     cache = tmp_path / "autobatch.json"
     before = [p.detach().clone() for p in model.parameters()]
+    rng_before = torch.get_rng_state()
     kwargs = {"cache_path": cache, "most": 8, "time_limit": 60.0}
-    chosen = choose_microbatch(model, masker, torch.device("cpu"), torch.float32, 16, **kwargs)
+    chosen = choose_microbatch(model, objective, torch.float32, 16, **kwargs)
     assert chosen in (1, 2, 4, 8)
     assert all(
         torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True)
     )  # weights untouched
     assert all(p.grad is None for p in model.parameters())
+    assert torch.equal(
+        torch.get_rng_state(), rng_before
+    )  # the search leaves the random streams as it found them
     (record,) = json.loads(cache.read_text()).values()
     assert record["microbatch_size"] == chosen and record["trials"]
 
@@ -102,16 +108,14 @@ def test_choose_measures_once_then_reuses_the_cache(tmp_path, monkeypatch):
         raise AssertionError("searched again despite the cache")
 
     monkeypatch.setattr(autobatch, "search", no_search)
-    assert choose_microbatch(model, masker, torch.device("cpu"), torch.float32, 16, **kwargs) == chosen
+    assert choose_microbatch(model, objective, torch.float32, 16, **kwargs) == chosen
     other = build_model(
         ArchConfig(name="t", num_layers=2, hidden_size=16, num_heads=2, intermediate_size=32), 64
     )
     with pytest.raises(AssertionError, match="searched again"):  # another shape is another cache entry
-        choose_microbatch(other, masker, torch.device("cpu"), torch.float32, 16, **kwargs)
+        choose_microbatch(other, objective, torch.float32, 16, **kwargs)
     with pytest.raises(ConfigError, match="several processes"):
-        choose_microbatch(
-            other, masker, torch.device("cpu"), torch.float32, 16, **kwargs, search_allowed=False
-        )
+        choose_microbatch(other, objective, torch.float32, 16, **kwargs, search_allowed=False)
 
 
 @pytest.mark.parametrize("value, expected", [("auto", "auto"), (64, 64), ("32", 32)])

@@ -29,6 +29,7 @@ from cramming.model import BertForMLM, build_model
 from cramming.model import checkpoint as model_checkpoint
 from cramming.train import loop
 from cramming.train import state as train_state
+from cramming.train.mlm import MLMObjective
 
 
 def save_tiny(tmp_path, model=None, stamp="2026-01-01_00-00-00"):
@@ -90,17 +91,17 @@ def test_checkpoint_found_by_run_folder_and_by_name(tmp_path):
 
 @pytest.fixture
 def ticking(monkeypatch):
-    """A fake clock moved 60 s by every micro-batch (wrapping whatever forward_backward is then)."""
+    """A fake clock moved 60 s by every micro-batch (wrapping whatever the MLM objective is then)."""
     clock = FakeClock(tick=60.0)
 
     def install():
-        inner = loop.forward_backward
+        inner = MLMObjective.__call__
 
-        def timed(run, input_ids, loss_scale):
+        def timed(self, model, batch):
             clock.now += clock.tick
-            return inner(run, input_ids, loss_scale)
+            return inner(self, model, batch)
 
-        monkeypatch.setattr(loop, "forward_backward", timed)
+        monkeypatch.setattr(MLMObjective, "__call__", timed)
 
     return clock, install
 
@@ -113,7 +114,7 @@ def test_resume_continues_steps_data_and_elapsed_budget(tmp_path, monkeypatch, t
     reference_cfg = make_config(tmp_path, "budget=0.1", "name=reference")
     install_clock()
     reference = loop.train(reference_cfg, data, run_dir(reference_cfg), clock=clock)
-    assert reference.progress.updates == 7
+    assert reference.updates == 7
     monkeypatch.undo()
 
     # the same run, interrupted by SIGINT during its 4th micro-batch ...
@@ -121,11 +122,7 @@ def test_resume_continues_steps_data_and_elapsed_budget(tmp_path, monkeypatch, t
     send_signal_after(monkeypatch, 4, signal.SIGINT)
     install_clock()
     first = loop.train(cfg, data, run_dir(cfg, "2026-01-01_00-00-00"), clock=clock)
-    assert (
-        first.stop_reason == "SIGINT"
-        and first.progress.updates == 4
-        and first.elapsed == pytest.approx(240.0)
-    )
+    assert first.stop_reason == "SIGINT" and first.updates == 4 and first.elapsed == pytest.approx(240.0)
     monkeypatch.undo()
 
     # ... then resumed in a new run folder: the budget counts on from 240 s, so 3 more micro-batches
@@ -134,7 +131,7 @@ def test_resume_continues_steps_data_and_elapsed_budget(tmp_path, monkeypatch, t
     resumed_cfg = make_config(tmp_path, "budget=0.1", "resume=true")
     second = loop.train(resumed_cfg, data, run_dir(cfg, "2026-01-01_01-00-00"), clock=clock)
     assert second.stop_reason == "budget"
-    assert (second.progress.updates, second.progress.microbatches, second.progress.rows) == (7, 7, 56)
+    assert (second.updates, second.progress.microbatches, second.progress.rows) == (7, 7, 56)
     assert second.elapsed == pytest.approx(420.0)
     assert read_metrics(second.run_dir)[0]["update"] == 5
 
@@ -147,7 +144,7 @@ def test_resume_continues_steps_data_and_elapsed_budget(tmp_path, monkeypatch, t
 
 def test_resume_without_a_state_fails_clearly(tmp_path):
     cfg = make_config(tmp_path, "budget=0.1", "resume=true")
-    with pytest.raises(ConfigError, match="no run named 'test'"):
+    with pytest.raises(ConfigError, match="no earlier run named 'test'"):
         loop.train(cfg, synthetic_data(tmp_path), run_dir(cfg))
 
 
@@ -200,7 +197,7 @@ def test_resume_on_the_same_data_is_silent_even_from_another_folder(tmp_path, mo
     caplog.clear()  # the first run's own SIGTERM warning
     with caplog.at_level(logging.WARNING, logger="cramming"):
         result = loop.train(resumed, same, run_dir(resumed, "2026-01-01_00-00-01"))
-    assert result.progress.updates == 3
+    assert result.updates == 3
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
 
 
@@ -211,7 +208,7 @@ def test_state_is_written_atomically_and_loads_weights_only(tmp_path, monkeypatc
     files = sorted(p.name for p in run_dir(cfg).iterdir())
     assert "state.pt" in files and not any(name.endswith(".tmp") for name in files)
     state = train_state.load_state(run_dir(cfg) / train_state.STATE)
-    assert state["progress"]["updates"] == 2 and not any("_orig_mod" in k for k in state["model"])
+    assert state["step"]["stats"]["updates"] == 2 and not any("_orig_mod" in k for k in state["model"])
 
 
 def _final_weights(result) -> dict[str, torch.Tensor]:
@@ -235,15 +232,15 @@ def test_resume_after_a_signal_mid_update_is_bit_identical(tmp_path, monkeypatch
     cfg = make_config(tmp_path, *settings)
     send_signal_after(monkeypatch, 11, signum)  # update 3 = micro-batches 9-12: stops after the 11th
     first = loop.train(cfg, data, run_dir(cfg, "2026-01-01_00-00-00"))
-    assert first.stop_reason == signal.Signals(signum).name and first.progress.updates == 2
+    assert first.stop_reason == signal.Signals(signum).name and first.updates == 2
     saved = train_state.load_state(run_dir(cfg, "2026-01-01_00-00-00") / train_state.STATE)
     # the last whole update (`microbatches` counts every micro-batch run, the dropped ones too)
-    assert (saved["progress"]["updates"], saved["progress"]["rows"]) == (2, 64)
+    assert (saved["step"]["stats"]["updates"], saved["progress"]["rows"]) == (2, 64)
     monkeypatch.undo()
 
     resumed_cfg = make_config(tmp_path, *settings, "resume=true")
     second = loop.train(resumed_cfg, data, run_dir(cfg, "2026-01-01_01-00-00"))
-    assert second.stop_reason == "steps" and second.progress.updates == 5
+    assert second.stop_reason == "steps" and second.updates == 5
     ours, theirs = _final_weights(second), _final_weights(reference)
     worst = max((ours[k] - v).abs().max().item() for k, v in theirs.items())
     assert worst == 0.0, f"max |dw| = {worst:.3e}"
@@ -262,7 +259,7 @@ def _interrupted_twice(tmp_path, monkeypatch, ticking):
     folder = run_dir(cfg)
     state = train_state.load_state(folder / train_state.STATE)
     previous = train_state.load_state(folder / train_state.PREVIOUS)
-    assert (state["progress"]["updates"], previous["progress"]["updates"]) == (4, 3)
+    assert (state["step"]["stats"]["updates"], previous["step"]["stats"]["updates"]) == (4, 3)
     return data, folder
 
 
@@ -273,7 +270,7 @@ def test_a_truncated_state_falls_back_to_the_previous_one(tmp_path, monkeypatch,
     resumed = make_config(tmp_path, "budget=1", "resume=true", "train.steps=5")
     caplog.set_level(logging.INFO, logger="cramming")
     result = loop.train(resumed, data, run_dir(resumed, "2026-01-01_01-00-00"))
-    assert result.progress.updates == 5
+    assert result.updates == 5
     assert str(newest) in caplog.text and str(folder / train_state.PREVIOUS) in caplog.text
     assert f"resuming from {folder / train_state.PREVIOUS}: update 3" in caplog.text
 
@@ -412,3 +409,31 @@ def test_resuming_removes_the_temporaries_of_a_save_killed_mid_write(tmp_path):
     found, state = train_state.load_newest_state(run / train_state.STATE)
     assert found == run / train_state.STATE and torch.equal(state["x"], torch.zeros(2))
     assert not any(path.exists() for path in stale) and live.exists()
+
+
+def test_a_version_3_state_resumes_with_the_one_counter(tmp_path, monkeypatch):
+    """Version 3 counted applied updates in `progress` and skipped ones in the step, and kept torch's RNG
+    apart: it reads as version 4 with updates = applied + skipped and the RNG in the step's state."""
+    send_signal_after(monkeypatch, 3, signal.SIGTERM)
+    cfg = make_config(tmp_path, "budget=1", "train.steps=5")
+    data = synthetic_data(tmp_path)
+    loop.train(cfg, data, run_dir(cfg))
+    monkeypatch.undo()
+    path = run_dir(cfg) / train_state.STATE
+    state = train_state.load_state(path)
+    step = dict(state["step"])
+    rng = step.pop("rng")
+    stats = step["stats"]
+    v3 = {
+        **state,
+        "version": 3,
+        "progress": {**state["progress"], "updates": stats["updates"] - 1},  # as if one had been skipped
+        "step": {**step, "stats": {"applied": stats["updates"] - 1, "skipped": 1, "skipped_in_a_row": 0}},
+        "rng": {"torch": rng["torch"], "cuda": rng["cuda"]},
+    }
+    upgraded = train_state.TrainingState.from_dict(v3, path)
+    assert upgraded.updates == 3 and upgraded.step["stats"]["skipped"] == 1
+    assert "updates" not in vars(upgraded.progress) and torch.equal(upgraded.step["rng"]["torch"], rng["torch"])
+    train_state.save_state(path, v3)
+    resumed = loop.train(cfg, data, run_dir(cfg))  # its own folder: continues from the version-3 state
+    assert resumed.stop_reason == "steps" and resumed.updates == 5 and resumed.skipped == 1

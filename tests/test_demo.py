@@ -62,7 +62,7 @@ def test_the_demo_recipe_trains_and_ends_with_a_summary(tmp_path):
 
 
 def test_the_summary_says_in_words_whether_context_is_used():
-    from cramming.train.summary import learned
+    from cramming.job.summary import learned
 
     base = {"loss": 5.0, "mlm_acc": 0.2, "context_loss_real": 5.2, "context_unigram_entropy": 5.2}
     using = "\n".join(learned(base | {"context_loss_shuffled": 7.2, "context_gain": 2.0}, 8192))
@@ -73,7 +73,7 @@ def test_the_summary_says_in_words_whether_context_is_used():
 
 
 def test_the_checkpoint_is_shown_as_typed_from_the_working_directory(tmp_path, monkeypatch):
-    from cramming.train.summary import shown
+    from cramming.job.summary import shown
 
     monkeypatch.chdir(tmp_path)
     assert shown(tmp_path / "outputs" / "demo" / "checkpoint") == "outputs/demo/checkpoint"
@@ -83,7 +83,7 @@ def test_the_checkpoint_is_shown_as_typed_from_the_working_directory(tmp_path, m
 def test_the_summary_proposes_the_glue_recipe_for_the_models_width():
     """GLUE-sane's rate is tuned for BERT-base's width: the real run's crammed-bert is pointed at it, the demo's
     bert-tiny at glue-small (the real run's summary used to propose glue-small too)."""
-    from cramming.train.summary import next_commands
+    from cramming.job.summary import next_commands
 
     assert "eval=glue-small" in next_commands("demo", "outputs", Path("x"), hidden_size=128)[1]
     assert "eval=glue-sane" in next_commands("default", "outputs", Path("x"), hidden_size=768)[1]

@@ -402,13 +402,12 @@ def test_layerwise_with_accumulation_steps_on_the_last_microbatch(name):
     ]
     for update in range(4):
         for net, step in zip((model, twin), steps, strict=True):
+            step.begin(1.0, 3)
             for micro in range(3):
-                with step.microbatch(last=micro == 2):
-                    step.backward(_loss(net, 3 * update + micro), 1.0 / 3)
+                step.microbatch(lambda net=net, i=3 * update + micro: (_loss(net, i),))
                 if micro < 2:  # the layerwise hooks have not stepped (nor freed) the accumulating gradients
                     assert all(p.grad is not None for p in net.parameters())
-            step.optimizer.step()
-            step.optimizer.zero_grad(set_to_none=True)
+            assert step.apply().applied
     for (pname, p), q in zip(model.named_parameters(), twin.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7, msg=lambda m, pname=pname: f"{pname}: {m}")
 

@@ -145,45 +145,6 @@ def test_paused_budget_clock_does_not_count_the_pause():
     assert clock.elapsed() == pytest.approx(150.0)
 
 
-# ------------------------------------------------------------------------------------------- run folders
-
-
-def test_runs_started_in_the_same_second_get_folders_of_their_own(tmp_path, monkeypatch):
-    from cramming import utils
-
-    stamp = "2026-01-01_00-00-00"
-    first = utils.claim_run_dir(str(tmp_path), "conc", stamp)
-    assert utils.claim_run_dir(str(tmp_path), "conc", stamp) == first  # Hydra resolving it again: the same
-    claimed = [first]
-    for _ in range(10):  # each a new process: nothing remembered of the claims before
-        monkeypatch.setattr(utils, "_CLAIMED", {})
-        claimed.append(utils.claim_run_dir(str(tmp_path), "conc", stamp))
-    assert len(set(claimed)) == 11 and Path(claimed[-1]).name == f"{stamp}_11"
-    for folder in claimed:  # the newest is the last claimed, _11 after _2
-        (Path(folder) / "state.pt").touch()
-    assert utils.newest_run_dir(tmp_path, "conc", "state.pt") == Path(claimed[-1])
-
-
-def test_concurrent_processes_claim_different_folders(tmp_path):
-    import subprocess
-    import sys
-
-    claim = (
-        "import sys, time; from cramming.utils import claim_run_dir; time.sleep(max(0, float(sys.argv[1]) -"
-        " time.time())); print(claim_run_dir(sys.argv[2], 'conc', '2026-01-01_00-00-00'))"
-    )
-    start = f"{__import__('time').time() + 4:.3f}"  # all claim at the same moment, after their imports
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", claim, start, str(tmp_path)], stdout=subprocess.PIPE, text=True
-        )
-        for _ in range(3)
-    ]
-    folders = [p.communicate(timeout=120)[0].strip() for p in procs]
-    assert all(p.returncode == 0 for p in procs)
-    assert len(set(folders)) == 3, folders
-
-
 @pytest.mark.parametrize(
     "override, message",
     [

@@ -6,8 +6,7 @@ import math
 
 import pytest
 
-from cramming.optim.schedules import LR_SCHEDULES
-from cramming.train.batches import accumulation_steps
+from cramming.optim.schedules import LR_SCHEDULES, accumulation_steps
 
 HALF_COS_AT_25 = 0.5 * (1 + math.cos(math.pi * (0.25 - 0.1) / 0.9))
 HALF_COS_AT_75 = 0.5 * (1 + math.cos(math.pi * (0.75 - 0.1) / 0.9))

@@ -16,14 +16,13 @@ import torch
 from hydra import compose, initialize_config_dir
 from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
-from torch import nn
 
 from cramming.budget import BudgetClock, budget_clock
 from cramming.config import CONF_DIR, PretrainConfig, register_configs, validate
 from cramming.data import PretrainingData
+from cramming.errors import TrainingDiverged
 from cramming.train import loop
-from cramming.train.metrics import Metrics
-from cramming.train.state import Progress
+from cramming.train.mlm import MLMObjective
 
 VOCAB = 200
 SEQ = 32
@@ -80,13 +79,13 @@ class FakeClock:
 def fake_clock(monkeypatch):
     """A FakeClock advanced by every forward/backward of the loop."""
     clock = FakeClock(tick=60.0)
-    original = loop.forward_backward
+    original = MLMObjective.__call__
 
-    def timed(run, input_ids, loss_scale):
+    def timed(self, model, batch):
         clock.now += clock.tick
-        return original(run, input_ids, loss_scale)
+        return original(self, model, batch)
 
-    monkeypatch.setattr(loop, "forward_backward", timed)
+    monkeypatch.setattr(MLMObjective, "__call__", timed)
     return clock
 
 
@@ -123,7 +122,7 @@ def test_stops_after_the_microbatch_that_passes_the_budget(tmp_path, fake_clock)
     cfg = make_config(tmp_path, "budget=0.1")
     result = loop.train(cfg, synthetic_data(tmp_path), run_dir(cfg), clock=fake_clock)
     assert result.stop_reason == "budget"
-    assert (result.progress.microbatches, result.progress.updates) == (7, 7)
+    assert (result.progress.microbatches, result.updates) == (7, 7)
     assert result.elapsed == pytest.approx(420.0)
     assert result.checkpoint is not None and (result.checkpoint / "model.safetensors").is_file()
 
@@ -132,7 +131,7 @@ def test_update_cut_short_by_the_budget_is_dropped(tmp_path, fake_clock):
     # 4 micro-batches per update: update 1 = micro-batches 1-4; 5-7 are cut off by the budget at the 7th
     cfg = make_config(tmp_path, "budget=0.1", "train.batch_size=32", "train.batch_size_ramp=0")
     result = loop.train(cfg, synthetic_data(tmp_path), run_dir(cfg), clock=fake_clock)
-    assert (result.progress.microbatches, result.progress.updates, result.progress.rows) == (7, 1, 32)
+    assert (result.progress.microbatches, result.updates, result.progress.rows) == (7, 1, 32)
 
 
 def test_batch_size_ramps_with_the_budget(tmp_path, fake_clock):
@@ -158,7 +157,7 @@ def test_steps_limit_and_loss_falls(tmp_path):
         "train.log_every=10",
     )
     result = loop.train(cfg, synthetic_data(tmp_path), run_dir(cfg))
-    assert result.stop_reason == "steps" and result.progress.updates == 60
+    assert result.stop_reason == "steps" and result.updates == 60
     losses = [r["loss"] for r in read_metrics(run_dir(cfg)) if "loss" in r]
     assert losses[-1] < losses[0] - 1.0, losses
     assert result.validation["loss"] < losses[0] - 1.0
@@ -190,39 +189,40 @@ def test_rates_below_one_a_second_do_not_read_as_zero():
 
 
 def test_nonfinite_loss_skips_the_update_then_stops(tmp_path, monkeypatch):
-    original = loop.forward_backward
+    original = MLMObjective.__call__
     poisoned = {3}  # micro-batches (1-based) whose loss is NaN
     calls = [0]
 
-    def nan_sometimes(run, input_ids, loss_scale):
+    def nan_sometimes(self, model, batch):
         calls[0] += 1
-        loss, right, count = original(run, input_ids, loss_scale)
-        return (torch.full_like(loss, float("nan")) if calls[0] in poisoned else loss), right, count
+        loss, right, count = original(self, model, batch)
+        return (loss * float("nan") if calls[0] in poisoned else loss), right, count
 
-    monkeypatch.setattr(loop, "forward_backward", nan_sometimes)
+    monkeypatch.setattr(MLMObjective, "__call__", nan_sometimes)
     cfg = make_config(tmp_path, "budget=1", "train.steps=5", "train.lr_schedule=steps-linear")
     result = loop.train(cfg, synthetic_data(tmp_path), run_dir(cfg))
-    assert (result.progress.updates, result.skipped, result.progress.microbatches) == (5, 1, 6)
+    # one counter: train.steps counts finished updates, the skipped one among them
+    assert (result.updates, result.skipped, result.progress.microbatches) == (5, 1, 5)
 
     poisoned.update(range(4, 100))
     calls[0] = 0
     cfg = make_config(tmp_path, "budget=1", "train.max_nonfinite_updates=3")
-    with pytest.raises(loop.TrainingDiverged, match="3 updates in a row"):
+    with pytest.raises(TrainingDiverged, match="3 updates in a row"):
         loop.train(cfg, synthetic_data(tmp_path), run_dir(cfg, "2026-01-01_00-00-01"))
 
 
 def send_signal_after(monkeypatch, microbatches: int, signum: int) -> None:
     """Make the loop receive `signum` during its `microbatches`-th micro-batch."""
-    original = loop.forward_backward
+    original = MLMObjective.__call__
     calls = [0]
 
-    def signalling(run, input_ids, loss_scale):
+    def signalling(self, model, batch):
         calls[0] += 1
         if calls[0] == microbatches:
             os.kill(os.getpid(), signum)
-        return original(run, input_ids, loss_scale)
+        return original(self, model, batch)
 
-    monkeypatch.setattr(loop, "forward_backward", signalling)
+    monkeypatch.setattr(MLMObjective, "__call__", signalling)
 
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM, signal.SIGUSR2])  # USR2: SLURM's warning
@@ -233,7 +233,7 @@ def test_stop_signal_saves_a_resumable_state(tmp_path, monkeypatch, signum):
     result = loop.train(cfg, synthetic_data(tmp_path), run_dir(cfg))
     assert result.stop_reason == signal.Signals(signum).name
     assert result.checkpoint is None
-    assert result.progress.microbatches == 4 and result.progress.updates == 4
+    assert result.progress.microbatches == 4 and result.updates == 4
     assert (run_dir(cfg) / "state.pt").is_file()
     assert signal.getsignal(signum) is previous  # handlers restored
 
@@ -245,15 +245,15 @@ def test_a_run_started_again_in_its_own_folder_continues_without_resume(tmp_path
     cfg = make_config(tmp_path, "budget=1", "train.steps=6")
     data = synthetic_data(tmp_path)
     first = loop.train(cfg, data, run_dir(cfg))
-    assert first.stop_reason == "SIGUSR2" and first.progress.updates == 4 and not cfg.resume
+    assert first.stop_reason == "SIGUSR2" and first.updates == 4 and not cfg.resume
     again = loop.train(cfg, data, run_dir(cfg))
-    assert again.stop_reason == "steps" and again.progress.updates == 6
+    assert again.stop_reason == "steps" and again.updates == 6
     assert 0 < again.elapsed_before <= first.elapsed  # the budget counts on from the saved state
     # each process logs its first update, so its first record covers its set-up and one update only (the run
     # card's split of set-up and training time reads it so)
     assert [r["update"] for r in read_metrics(run_dir(cfg)) if "loss" in r] == [1, 4, 5, 6]
     fresh = loop.train(cfg, data, run_dir(cfg, "2026-01-01_00-10-00"))
-    assert fresh.elapsed_before == 0.0 and fresh.progress.updates == 6
+    assert fresh.elapsed_before == 0.0 and fresh.updates == 6
 
 
 def test_config_checks_across_groups(tmp_path):
@@ -297,7 +297,7 @@ def test_the_microbatch_size_changes_no_result(tmp_path):
         results.append(loop.train(cfg, synthetic_data(tmp_path / f"data{microbatch}"), run_dir(cfg)))
     eight, sixteen = results
     assert eight.progress.rows == sixteen.progress.rows == 6 * 32
-    assert eight.progress.updates == sixteen.progress.updates == 6
+    assert eight.updates == sixteen.updates == 6
     # fp32 sums in another order: relative differences of ~1e-7 per operation, a few hundred operations deep
     assert eight.validation["loss"] == pytest.approx(sixteen.validation["loss"], rel=1e-4)
     assert eight.validation["mlm_acc"] == pytest.approx(sixteen.validation["mlm_acc"], abs=1.5 / (16 * 8))
@@ -315,7 +315,7 @@ def test_bf16_autocast_on_cpu(tmp_path):
     )
     result = loop.train(cfg, synthetic_data(tmp_path / "data"), run_dir(cfg))
     losses = [r["loss"] for r in read_metrics(run_dir(cfg)) if "loss" in r]
-    assert result.progress.updates == 30 and result.skipped == 0
+    assert result.updates == 30 and result.skipped == 0
     assert sum(losses[-5:]) / 5 < losses[0] - 0.5  # from ~log(200) = 5.3
     from cramming.model.checkpoint import load_pretrained
 
@@ -339,15 +339,17 @@ def test_compiled_training_on_cpu(tmp_path):
     assert keys and not any("_orig_mod" in k for k in keys)
 
 
-def test_due_evaluations_follow_a_closed_throughput_window(tmp_path):
-    """Metrics.run_due_hooks logs the updates since the last record before each due evaluation and restarts
-    the window after it, so no throughput figure counts an evaluation's time; a hook not due is not run."""
+def test_due_evaluations_follow_a_closed_throughput_window(tmp_path, fake_clock):
+    """The loop runs each evaluation hook once it is due, on the current weights, after logging the updates
+    since the last record (so no throughput figure counts an evaluation's time); a hook never due is not
+    run."""
 
     class Hook:
         def __init__(self, at: float):
-            self.at, self.calls = at, []
+            self.at, self.calls, self.started = at, [], None
 
-        def start(self, fraction_done: float) -> None: ...
+        def start(self, fraction_done: float) -> None:
+            self.started = fraction_done
 
         def due(self, fraction: float) -> bool:
             return fraction >= self.at and not self.calls
@@ -356,15 +358,15 @@ def test_due_evaluations_follow_a_closed_throughput_window(tmp_path):
             self.calls.append((update, tokens))
             return {"update": update, "hook": self.at}
 
-    now = [900.0]
-    clock = BudgetClock(1000 / 3600, lambda: now[0])
-    now[0] = 1400.0  # half the budget spent
-    early, late = Hook(0.25), Hook(0.75)
-    metrics = Metrics(tmp_path / "metrics.jsonl", seq_length=8, hooks=[early, late])
-    metrics.window.add(torch.tensor(2.0), torch.tensor(1.0), torch.tensor(4.0), rows=16)
-    metrics.run_due_hooks(nn.Linear(1, 1), clock, Progress(updates=3, microbatches=6, rows=48), 1e-3, 0, 384)
-    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert [("hook" in r, r["update"]) for r in records] == [(False, 3), (True, 3)]
-    assert records[0]["loss"] == 2.0 and records[0]["microbatches"] == 6
-    assert early.calls == [(3, 384)] and late.calls == []
-    assert metrics.window.updates == 0  # restarted after the evaluation
+    # 0.1 h = 360 s at 60 s a micro-batch (one per update here): the early hook is due after update 2, the
+    # late one after update 5; the third never
+    early, late, never = Hook(0.25), Hook(0.75), Hook(2.0)
+    cfg = make_config(tmp_path, "budget=0.1", "train.log_every=100")
+    result = loop.train(
+        cfg, synthetic_data(tmp_path), run_dir(cfg), clock=fake_clock, hooks=[early, late, never]
+    )
+    assert (early.started, late.started) == (0.0, 0.0)
+    assert early.calls == [(2, 2 * 8 * SEQ)] and late.calls == [(5, 5 * 8 * SEQ)] and never.calls == []
+    records = [r for r in read_metrics(result.run_dir) if "loss" in r or "hook" in r]
+    shown = [("hook" in r, r["update"]) for r in records]
+    assert shown[:5] == [(False, 1), (False, 2), (True, 2), (False, 5), (True, 5)]

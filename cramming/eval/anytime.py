@@ -17,16 +17,12 @@ from __future__ import annotations
 import copy
 import functools
 import logging
-import random
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import numpy as np
-import torch
 from torch import nn
 
 from cramming.budget import BudgetClock
@@ -39,7 +35,7 @@ from cramming.eval.scores import glue_average, summarize
 from cramming.eval.tasks import GLUE_TASKS
 from cramming.impl import ImplConfig
 from cramming.model.checkpoint import unwrap
-from cramming.optim.step import autocast
+from cramming.optim.step import autocast, preserved_rng
 
 if TYPE_CHECKING:
     from cramming.data import PretrainingData
@@ -87,21 +83,6 @@ class AnytimeConfig:
             check_choice("anytime.benchmarks", name, ANYTIME_BENCHMARKS)
         if self.at and not self.benchmarks:
             raise config_error("anytime.benchmarks", self.benchmarks, "name glue, blimp or both")
-
-
-@contextmanager
-def preserved_rng() -> Iterator[None]:
-    """Fine-tuning seeds every generator; pretraining continues with the random state it had."""
-    states = (random.getstate(), np.random.get_state(), torch.get_rng_state())
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
-    try:
-        yield
-    finally:
-        random.setstate(states[0])
-        np.random.set_state(states[1])
-        torch.set_rng_state(states[2])
-        if cuda is not None:
-            torch.cuda.set_rng_state_all(cuda)
 
 
 class AnytimeEval:

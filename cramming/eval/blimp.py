@@ -31,9 +31,10 @@ import torch
 from tokenizers import Tokenizer
 from torch import nn
 
-from cramming.errors import ConfigError, DataSourceError, RunStopped, check_choice, config_error
+from cramming.errors import DataSourceError, RunStopped, check_choice, config_error
+from cramming.runs import earlier_run, refuse_other_settings
 from cramming.signals import catch_stop_signals
-from cramming.utils import atomic_write_text, newest_run_dir
+from cramming.utils import atomic_write_text
 
 log = logging.getLogger("cramming")
 
@@ -348,36 +349,24 @@ def recipe_of(cfg: BlimpConfig, checkpoint: str) -> dict:
 def earlier_evaluation(
     run_dir: Path, resume: bool, base_dir: str, name: str, sweep_job: int | None
 ) -> Path | None:
-    """The folder whose scored paradigms this evaluation takes up: its own (a requeued cluster job), else with
-    resume=true the newest earlier BLiMP evaluation of `name` (job N of the newest multirun for job N)."""
-    if (run_dir / SCORES_FILE).exists():
-        return run_dir
-    if not resume:
-        return None
-    if sweep_job is None:
-        return newest_run_dir(base_dir, name, SCORES_FILE)
-    sweep = newest_run_dir(base_dir, name, f"{sweep_job}/{SCORES_FILE}")
-    return None if sweep is None else sweep / str(sweep_job)
+    """The folder whose scored paradigms this evaluation takes up (cramming.runs.earlier_run): its own (a
+    requeued cluster job), else with resume=true the newest earlier BLiMP evaluation of `name` (job N of the
+    newest multirun for job N)."""
+    return earlier_run(
+        run_dir, (SCORES_FILE,), resume=resume, base_dir=base_dir, name=name, what="BLiMP evaluation",
+        sweep_job=sweep_job,
+    )  # fmt: skip
 
 
-def take_up(earlier: Path | None, run_dir: Path, recipe: dict, resume: bool, name: str) -> None:
+def take_up(earlier: Path | None, run_dir: Path, recipe: dict) -> None:
     """Copy the earlier evaluation's scores into run_dir (the new folder gets the whole result), after checking
     it scored the same checkpoint the same way; write this evaluation's recipe."""
-    if earlier is None and resume:
-        raise ConfigError(
-            f"resume=true but no earlier BLiMP evaluation named {name!r} left {SCORES_FILE}; check `name`, or"
-            " start afresh with resume=false"
-        )
     if earlier is not None and earlier != run_dir:
         saved = json.loads((earlier / RECIPE_FILE).read_text(encoding="utf-8"))
-        differ = [
-            f"{k}: {saved.get(k)!r} there, {recipe[k]!r} here" for k in recipe if saved.get(k) != recipe[k]
-        ]
-        if differ:
-            raise ConfigError(
-                f"resume=true: the BLiMP evaluation in {earlier} scored otherwise ({'; '.join(differ)}); resume with"
-                " its settings, or start afresh with resume=false"
-            )
+        refuse_other_settings(
+            saved, recipe, what=f"the BLiMP evaluation in {earlier} scored otherwise",
+            fix="Resume with its settings, or start afresh with resume=false",
+        )  # fmt: skip
         (run_dir / SCORES_FILE).write_bytes((earlier / SCORES_FILE).read_bytes())
         log.info("taking up the scored paradigms of %s", earlier)
     atomic_write_text(run_dir / RECIPE_FILE, json.dumps(recipe, indent=1) + "\n")

@@ -106,6 +106,14 @@ def task_loss(logits: torch.Tensor, labels: torch.Tensor, regression: bool) -> t
     return F.cross_entropy(logits.float(), labels)
 
 
+def batch_loss(
+    model: SequenceClassifier, batch: dict[str, torch.Tensor], regression: bool
+) -> tuple[torch.Tensor]:
+    """The task loss of one padded batch: what the train step takes backward."""
+    logits = model(batch["input_ids"], batch["attention_mask"], batch["token_type_ids"])
+    return (task_loss(logits, batch["labels"], regression),)
+
+
 @dataclass
 class TaskResult:
     metrics: dict[str, dict[str, float]]  # entry name -> metric -> value
@@ -290,12 +298,8 @@ def train_epoch(
     for first in range(0, len(order), batch_size):
         batch = padded_batch(train, order[first : first + batch_size], pad_id, device)
         step.begin(lr_factor(step.stats.updates))
-        with step.autocast():
-            logits = model(batch["input_ids"], batch["attention_mask"], batch["token_type_ids"])
-        loss = task_loss(logits, batch["labels"], regression)
-        step.backward(loss)
-        step.apply(loss.detach())
-        loss_value = loss.item()
+        step.microbatch(batch_loss, model, batch, regression)
+        loss_value = step.apply().loss.item()
         loss_sum += loss_value * len(batch["labels"])
         seen += len(batch["labels"])
         if stop is not None and stop.received:

@@ -19,8 +19,9 @@ from cramming.eval.scores import EntryScore, glue_average, markdown_table, summa
 from cramming.eval.tasks import GLUE_TASKS
 from cramming.impl import ImplConfig
 from cramming.model.checkpoint import load_pretrained
+from cramming.runs import earlier_run, refuse_other_settings
 from cramming.signals import catch_stop_signals
-from cramming.utils import atomic_write_text, flatten, newest_run_dir
+from cramming.utils import atomic_write_text, flatten
 
 log = logging.getLogger("cramming")
 
@@ -101,21 +102,13 @@ def recipe_of(cfg: EvalRunConfig, source: str) -> dict:
 
 
 def earlier_evaluation(cfg: EvalRunConfig, run_dir: Path, sweep_job: int | None) -> Path | None:
-    """The folder whose finished runs this evaluation takes up, or None.
-
-    Its own folder when that holds runs: a sweep job that its launcher started again in the same folder after a
-    preemption or a time limit (a first start's folder is new and empty). Else, with resume=true, the newest
-    earlier evaluation of cfg.name; for job N of a multirun, job N of the newest earlier multirun
-    (`multirun_<stamp>/N`: the same command numbers its jobs the same way, and the recipe check below refuses
-    a job N that ran something else)."""
-    if (run_dir / RUNS_JSON).exists():
-        return run_dir
-    if not cfg.resume:
-        return None
-    if sweep_job is None:
-        return newest_run_dir(cfg.base_dir, cfg.name, RUNS_JSON)
-    sweep = newest_run_dir(cfg.base_dir, cfg.name, f"{sweep_job}/{RUNS_JSON}")
-    return None if sweep is None else sweep / str(sweep_job)
+    """The folder whose finished runs this evaluation takes up (cramming.runs.earlier_run): its own when it
+    holds runs (a requeued sweep job), else with resume=true the newest earlier evaluation of cfg.name (job N
+    of the newest multirun for job N: the recipe check below refuses a job N that ran something else)."""
+    return earlier_run(
+        run_dir, (RUNS_JSON,), resume=cfg.resume, base_dir=cfg.base_dir, name=cfg.name, what="evaluation",
+        sweep_job=sweep_job,
+    )  # fmt: skip
 
 
 def earlier_runs(
@@ -127,15 +120,8 @@ def earlier_runs(
     Runs the eval budget stopped are left out (they run again). Raises ConfigError when resume=true finds no
     earlier evaluation, or when it used another checkpoint or recipe (naming the settings that differ)."""
     folder = earlier_evaluation(cfg, run_dir, sweep_job)
-    if folder is None and not cfg.resume:
-        return {}
     if folder is None:
-        where = f"{cfg.base_dir}/{cfg.name}/multirun_*/{sweep_job}" if sweep_job is not None else cfg.name
-        raise ConfigError(
-            f"resume=true, but no earlier evaluation named {cfg.name!r} left {RUNS_JSON} under"
-            f" {Path(cfg.base_dir) / cfg.name} (looked for {where}): give the `name` of the evaluation to"
-            " continue, or drop resume=true"
-        )
+        return {}
     path = folder / RUNS_JSON
     try:
         saved = json.loads(path.read_text())
@@ -145,14 +131,10 @@ def earlier_runs(
             f"resume=true: {path} does not read as an evaluation's runs ({err!r}); move it away to resume the"
             " evaluation before it, or drop resume=true"
         ) from err
-    ours = flatten(recipe)
-    differ = sorted(key for key in ours.keys() | theirs.keys() if ours.get(key) != theirs.get(key))
-    if differ:
-        shown = "; ".join(f"{key}: {theirs.get(key)!r} there, {ours.get(key)!r} here" for key in differ[:4])
-        raise ConfigError(
-            f"resume=true: {path.parent} ran with another checkpoint or recipe ({shown}); resume with the same"
-            " settings, or evaluate afresh under a new `name`"
-        )
+    refuse_other_settings(
+        theirs, flatten(recipe), what=f"{path.parent} ran with another checkpoint or recipe",
+        fix="Resume with the same settings, or evaluate afresh under a new `name`", shown=4,
+    )  # fmt: skip
     runs = {
         (run["task"], run["seed"]): {"reused_from": str(path.parent)} | run
         for run in kept

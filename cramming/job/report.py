@@ -162,7 +162,7 @@ def pretrain_row(run: RunRecord) -> dict:
         "loss": _round(m.get("loss", losses[-1]["loss"] if losses else None), 4),
         "val_loss": _round(m.get("val_loss", validation.get("val_loss")), 4),
         "val_mlm_acc": _round(m.get("val_mlm_acc", validation.get("val_mlm_acc")), 4),
-        # the context-use diagnostic (cramming/train/context.py): shuffled-row loss minus real-row loss
+        # the context-use diagnostic (cramming/train/validation.py): shuffled-row loss minus real-row loss
         "val_context_gain": _round(validation.get("val_context_gain"), 4),
         "tok_per_s": _round(m.get("tok_per_s", _median(r["tok_per_s"] for r in losses)), 0),
         "anytime_last": _round(anytime[-1].get("anytime_average"), 4) if anytime else None,

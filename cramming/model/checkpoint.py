@@ -31,7 +31,8 @@ from cramming.errors import ConfigError, WriteFailed, first_line
 from cramming.model.bert import BertForMLM
 from cramming.model.build import build_model
 from cramming.model.config import ArchConfig
-from cramming.utils import check_free_space, newest_run_dir, tensor_bytes
+from cramming.runs import newest_run_dir
+from cramming.utils import check_free_space, tensor_bytes
 
 CHECKPOINT_DIR = "checkpoint"
 WEIGHTS = "model.safetensors"

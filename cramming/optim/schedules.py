@@ -1,5 +1,5 @@
 """Learning-rate schedules, as functions of training progress in [0, 1]: the one registry that pretraining
-and GLUE fine-tuning both read.
+and GLUE fine-tuning both read; and pretraining's batch-size ramp, in micro-batches per update.
 
 The `budget-*` schedules read progress as the fraction of the wall-clock budget elapsed (cramming): the run
 ends on time whatever its speed, so the schedule must follow the clock, not a step count nobody knows in
@@ -74,3 +74,28 @@ def step_progress(update: int, total: int) -> float:
     """Progress of a steps-* schedule for the update about to be applied (counted from 1, so the first
     update of a warm-up already has a non-zero rate)."""
     return (update + 1) / max(1, total)
+
+
+# ------------------------------------------------------------------------------------- the batch-size ramp
+
+
+def ramped_batch_size(progress: float, batch_size: int, ramp: float, start: int) -> float:
+    """Sequences per update at budget fraction `progress`: rising linearly from `start` (at most batch_size)
+    to `batch_size` at `ramp`; the whole batch from the start when ramp is 0. Defined in sequences, so the
+    micro-batch size does not move it."""
+    start = min(start, batch_size)
+    if ramp <= 0.0 or progress >= ramp:
+        return float(batch_size)
+    return start + (batch_size - start) * progress / ramp
+
+
+def accumulation_steps(
+    progress: float, batch_size: int, microbatch_size: int, ramp: float, start: int = 128
+) -> int:
+    """Micro-batches per update at budget fraction `progress`: ramped_batch_size in whole micro-batches,
+    rounded down during the ramp (at least one), to the nearest at the end. This rounding is the one way
+    impl.microbatch_size touches the recipe: pick a micro-batch that divides train.batch_size (and
+    train.batch_size_start) and two micro-batch sizes train on exactly the same rows."""
+    target = max(1, round(batch_size / microbatch_size))
+    sequences = ramped_batch_size(progress, batch_size, ramp, start)
+    return min(target, max(1, int(sequences // microbatch_size)))

@@ -1,20 +1,19 @@
-"""Pretraining: the MLM objective and the wall-clock-budget loop. Imports data/, model/, optim/ and the
-budget clock; never eval/ (evaluation during pretraining is handed in as a hook by pretrain.py).
+"""Pretraining: the MLM objective and the budgeted loop. Imports data/, model/, optim/, the budget clock and
+the run folders; never eval/ (evaluation during pretraining is handed in as a hook by pretrain.py).
 
 config.py         the `train` group (TrainConfig, MLMConfig)
-mlm.py            masking: which tokens to predict and how they are corrupted, keyed by stream row
-batches.py        the endless, resumable stream of micro-batches, and the batch-size ramp
-autobatch.py      impl.microbatch_size=auto: the fastest micro-batch that fits, searched once and cached
-loop.py           train(): set-up, updates, periodic state, finish
-metrics.py        the log lines, metrics.jsonl and the evaluation hooks
-validation.py     the final model's held-out MLM loss (and the context diagnostic, context.py)
-state.py          the resumable state: what it holds (versioned), saving, finding and restoring it
-checkpoint.py     the state's files on disk (the final model: cramming.model.checkpoint)
-ranks.py          torchrun: the process group, where this process stands
-parallel.py       DDP / FSDP2, gradient sync, reduced statistics, the ranks' agreed clock (Parallel)
-sharded_state.py  model and optimizer state gathered from, and loaded into, the ranks' layout
-summary.py        the lines a finished run ends with
+mlm.py            masking (which tokens to predict and how they are corrupted, keyed by stream row) and the
+                  MLM objective of one micro-batch, which the loop and the micro-batch search train through
+batches.py        the endless, resumable stream of micro-batches and the data position (Progress)
+autobatch.py      the micro-batch: impl.microbatch_size checked, or with `auto` searched once and cached
+loop.py           train(): set-up, updates, logs, evaluations, periodic state, finish
+metrics.py        the log lines and metrics.jsonl
+validation.py     the final model's held-out MLM loss, and the context diagnostic
+state.py          the checkpointer: the resumable state (versioned) found, restored and saved, gathered from
+                  and loaded into the ranks' layout; the final model
+parallel.py       DDP / FSDP2: sharding or wrapping the model, gradient sync and reduced update statistics
 
-The training step and the learning-rate schedules, shared with fine-tuning, are cramming.optim's (step.py,
-schedules.py); stop signals are cramming.signals.
+The train step (one update: cramming.optim.step), the learning-rate schedules and the batch-size ramp
+(cramming.optim.schedules) are shared with fine-tuning; the budget clock is cramming.budget, the process group
+cramming.ranks, run folders cramming.runs, stop signals cramming.signals.
 """

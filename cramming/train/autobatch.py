@@ -1,4 +1,5 @@
-"""`impl.microbatch_size=auto`: find the micro-batch with the most tokens per second that fits in memory.
+"""The micro-batch: impl.microbatch_size checked against train.batch_size, or with `auto` the micro-batch with
+the most tokens per second that fits in memory.
 
 Cramming users report that the micro-batch size alone moved GLUE from 73 to 80: in a wall-clock budget,
 throughput is quality. The search runs at start-up, after the budget clock has started (its time is
@@ -7,10 +8,11 @@ device's memory and by train.batch_size) and by a time limit, after which the be
 The result is cached in {base_dir}/autobatch.json per device and model shape, so the next run of the same
 shape on the same device starts at once.
 
-Each candidate runs forward + backward on random rows of the real shape and masking, with a generator
-of its own: the training data, the masks and the weights (no optimizer step) are untouched. The eager
-model is measured even when training compiles it; the compiled model ranks sizes alike and needs less
-memory, so a size that fits eagerly fits compiled.
+Each candidate runs the loop's own micro-batch (the train step's forward and backward of the MLM objective,
+cramming.train.mlm) on random rows of the real shape and masking, with a generator of its own, and discards
+the update: the training data, the masks, the weights (no optimizer step) and the random streams are
+untouched. The eager model is measured even when training compiles it; the compiled model ranks sizes alike
+and needs less memory, so a size that fits eagerly fits compiled.
 """
 
 from __future__ import annotations
@@ -27,12 +29,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from cramming.errors import ConfigError
+from cramming.errors import ConfigError, config_error
 from cramming.model import ArchConfig
 from cramming.optim.step import TrainStep
-from cramming.train.batches import largest_divisor
-from cramming.train.config import check_batch_division
-from cramming.train.mlm import MLMMasker
+from cramming.train.mlm import MLMObjective
 from cramming.utils import atomic_write_text
 
 log = logging.getLogger("cramming")
@@ -46,6 +46,36 @@ MAX_SECONDS = 300.0
 TOLERANCE = 0.03
 CPU_MAX = 512
 CUDA_MAX = 4096
+
+
+def largest_divisor(number: int, at_most: int) -> int:
+    """The largest divisor of `number` that is at most `at_most` (1 at least): the micro-batch that forms a
+    batch of `number` sequences exactly."""
+    return max(d for d in range(1, max(1, min(number, at_most)) + 1) if number % d == 0)
+
+
+def check_batch_division(batch_size: int, microbatch_size: int | str, world_size: int = 1) -> None:
+    """train.batch_size must be formed exactly from micro-batches of impl.microbatch_size on each of
+    `world_size` processes: a batch the micro-batch does not divide would train another batch size than the
+    run records. (The ramp's smaller batches are whole micro-batches by definition: schedules.py.)"""
+    if microbatch_size == "auto":
+        return  # the search only tries divisors (train/autobatch.py)
+    per_update = microbatch_size * world_size
+    if batch_size % per_update == 0:
+        return
+    fits = batch_size % world_size == 0  # else no micro-batch forms it on every process alike
+    where = f" on each of {world_size} processes" if world_size > 1 else ""
+    hint = (
+        f"impl.microbatch_size={largest_divisor(batch_size // world_size, microbatch_size)}"
+        if fits
+        else "another train.batch_size"
+    )
+    raise config_error(
+        "train.batch_size",
+        batch_size,
+        f"it is not a whole number of micro-batches of impl.microbatch_size={microbatch_size}{where}, so the"
+        f" run would train another batch than it records. Use a batch size divisible by {per_update}, or {hint}",
+    )
 
 
 class TooLarge(Exception):
@@ -164,32 +194,6 @@ def timed_steps(
     return steps, time.perf_counter() - start
 
 
-def stand_in_step(model: nn.Module, device: torch.device, dtype: torch.dtype) -> TrainStep:
-    """The loop's own forward/backward (autocast, loss scaling) around an optimizer that never steps: no
-    update is applied in the search (the real optimizer, with its hooks, is built after it)."""
-    return TrainStep(
-        model,
-        torch.optim.SGD(model.parameters(), lr=0.0),
-        device_type=device.type,
-        dtype=dtype,
-        grad_clip=None,
-    )
-
-
-def forward_backward(
-    model: nn.Module, masker: MLMMasker, step: TrainStep, rows: torch.Tensor, device: torch.device
-) -> None:
-    """Forward + backward of the MLM loss on `rows` (batch, seq), masked as in training; gradients add up."""
-    corrupted, labels = masker(rows, torch.arange(rows.shape[0]))
-    with step.autocast():
-        out = model(
-            corrupted.to(device),
-            labels.to(device),
-            predicted_per_row=masker.predicted_per_row(rows.shape[1]),
-        )
-    step.backward(out.loss)
-
-
 def timed_within_memory(
     one_step: Callable[[], None],
     model: nn.Module,
@@ -220,8 +224,7 @@ def timed_within_memory(
 
 def step_measure(
     model: nn.Module,
-    masker: MLMMasker,
-    device: torch.device,
+    objective: MLMObjective,
     dtype: torch.dtype,
     seq_length: int,
     reserve_bytes: int = 0,
@@ -229,25 +232,27 @@ def step_measure(
     min_seconds: float = 0.5,
     max_steps: int = 20,
 ) -> Callable[[int], float]:
-    """measure(size): sequences per second of forward + backward at micro-batch `size`, after one warm-up
-    step, over at least `min_steps` steps and `min_seconds` seconds (small sizes are noisy), at most `max_steps`.
+    """measure(size): sequences per second of the loop's micro-batch at size `size`, after one warm-up step,
+    over at least `min_steps` steps and `min_seconds` seconds (small sizes are noisy), at most `max_steps`.
 
     On CUDA, running out of memory, or a peak that leaves less than `reserve_bytes` (the optimizer state
     still to come) of 90% of the device's memory, raises TooLarge.
     """
-    generator = torch.Generator().manual_seed(0)
-    step = stand_in_step(model, device, dtype)
+    generator, masker, device = torch.Generator().manual_seed(0), objective.masker, objective.device
 
     def measure(size: int) -> float:
         rows = torch.randint(
             masker.first_ordinary, masker.vocab_size, (size, seq_length), generator=generator
         )
+        step = TrainStep(model, None, device_type=device.type, dtype=dtype, grad_clip=None)  # never applies
+
+        def one_step() -> None:
+            step.begin()
+            step.microbatch(objective, model, (torch.arange(size), rows))
+            step.discard()  # gradients dropped, the random streams rewound
+
         steps, seconds = timed_within_memory(
-            lambda: forward_backward(model, masker, step, rows, device),
-            model,
-            device,
-            reserve_bytes,
-            (min_steps, min_seconds, max_steps),
+            one_step, model, device, reserve_bytes, (min_steps, min_seconds, max_steps)
         )
         return steps * size / seconds
 
@@ -294,8 +299,7 @@ def write_cache(path: Path, key: str, record: dict) -> None:
 
 def choose_microbatch(
     model: nn.Module,
-    masker: MLMMasker,
-    device: torch.device,
+    objective: MLMObjective,
     dtype: torch.dtype,
     seq_length: int,
     *,
@@ -309,7 +313,8 @@ def choose_microbatch(
     most: the largest useful size (train.batch_size); time_limit: seconds the search may take;
     search_allowed: False under several processes, whose separate searches could choose differently."""
     arch: ArchConfig = model.arch
-    key = cache_key(device, arch, masker.vocab_size, seq_length, dtype, model)
+    device = objective.device
+    key = cache_key(device, arch, objective.masker.vocab_size, seq_length, dtype, model)
     cached = read_cache(cache_path).get(key)
     if cached is not None:
         size = largest_divisor(most, int(cached["microbatch_size"]))  # the cache is per model, not per batch
@@ -323,7 +328,7 @@ def choose_microbatch(
     reserve, candidates = search_space(model, device, seq_length, most)
     started = time.monotonic()
     chosen, trials = search(
-        step_measure(model, masker, device, dtype, seq_length, reserve), candidates, time_limit
+        step_measure(model, objective, dtype, seq_length, reserve), candidates, time_limit
     )
     seconds = time.monotonic() - started
     table = ", ".join(
@@ -369,8 +374,7 @@ def time_limit_for(budget_hours: float) -> float:
 def microbatch_size_for(
     requested: int | str,
     model: nn.Module,
-    masker: MLMMasker,
-    device: torch.device,
+    objective: MLMObjective,
     dtype: torch.dtype,
     seq_length: int,
     *,
@@ -379,21 +383,19 @@ def microbatch_size_for(
     budget_hours: float,
     world_size: int,
 ) -> int:
-    """impl.microbatch_size (`requested`), or with `auto` the searched one: at set-up, on the budget's clock,
-    before any optimizer hook. Returned, never written back into the config. Either way it must form
-    train.batch_size exactly on this many processes."""
-    chosen = requested
-    if chosen == "auto":
-        chosen = choose_microbatch(
-            model,
-            masker,
-            device,
-            dtype,
-            seq_length,
-            cache_path=base_dir / CACHE_FILE,
-            most=batch_size,
-            time_limit=time_limit_for(budget_hours),
-            search_allowed=world_size == 1,
-        )
-    check_batch_division(batch_size, chosen, world_size)
-    return chosen
+    """impl.microbatch_size (`requested`), checked to form train.batch_size exactly on this many processes, or
+    with `auto` the searched one (only sizes that form it are tried): at set-up, on the budget's clock, before
+    any optimizer hook. Returned, never written back into the config."""
+    if requested != "auto":
+        check_batch_division(batch_size, requested, world_size)
+        return requested
+    return choose_microbatch(
+        model,
+        objective,
+        dtype,
+        seq_length,
+        cache_path=base_dir / CACHE_FILE,
+        most=batch_size,
+        time_limit=time_limit_for(budget_hours),
+        search_allowed=world_size == 1,
+    )

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -18,6 +19,16 @@ from torch.utils.data import DataLoader, Dataset
 
 if TYPE_CHECKING:  # only annotations: the stream also takes any table with the same interface (benchmarks)
     import datasets
+
+
+@dataclass
+class Progress:
+    """Where the run stands in the stream: saved in the resumable state. (The updates are counted once, by
+    the train step: cramming.optim.step.StepStats.)"""
+
+    # training rows of completed updates, applied or skipped: the data position a resumed run starts from
+    rows: int = 0
+    microbatches: int = 0
 
 
 def first_stream_row(start: int, i: int, microbatch_size: int, rank: int = 0, world_size: int = 1) -> int:
@@ -112,32 +123,17 @@ def numbered(
         yield torch.arange(first, first + input_ids.shape[0]), input_ids
 
 
-# ------------------------------------------------------------------------------------- the batch-size ramp
-
-
-def ramped_batch_size(progress: float, batch_size: int, ramp: float, start: int) -> float:
-    """Sequences per update at budget fraction `progress`: rising linearly from `start` (at most batch_size)
-    to `batch_size` at `ramp`; the whole batch from the start when ramp is 0. Defined in sequences, so the
-    micro-batch size does not move it."""
-    start = min(start, batch_size)
-    if ramp <= 0.0 or progress >= ramp:
-        return float(batch_size)
-    return start + (batch_size - start) * progress / ramp
-
-
-def largest_divisor(number: int, at_most: int) -> int:
-    """The largest divisor of `number` that is at most `at_most` (1 at least): the micro-batch that forms a
-    batch of `number` sequences exactly."""
-    return max(d for d in range(1, max(1, min(number, at_most)) + 1) if number % d == 0)
-
-
-def accumulation_steps(
-    progress: float, batch_size: int, microbatch_size: int, ramp: float, start: int = 128
-) -> int:
-    """Micro-batches per update at budget fraction `progress`: ramped_batch_size in whole micro-batches,
-    rounded down during the ramp (at least one), to the nearest at the end. This rounding is the one way
-    impl.microbatch_size touches the recipe: pick a micro-batch that divides train.batch_size (and
-    train.batch_size_start) and two micro-batch sizes train on exactly the same rows."""
-    target = max(1, round(batch_size / microbatch_size))
-    sequences = ramped_batch_size(progress, batch_size, ramp, start)
-    return min(target, max(1, int(sequences // microbatch_size)))
+def training_stream(
+    rows: datasets.Dataset,
+    microbatch_size: int,
+    seed: int,
+    start: int,
+    num_workers: int,
+    pin_memory: bool,
+    rank: int = 0,
+    world_size: int = 1,
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """This rank's training micro-batches from stream row `start` (a resumed run's data position) on, each
+    with its stream row numbers: what the loop trains on (pin_memory: for a GPU)."""
+    loader = microbatches(rows, microbatch_size, seed, start, num_workers, pin_memory, rank, world_size)
+    return numbered(loader, start, microbatch_size, rank, world_size)

@@ -11,7 +11,6 @@ from cramming.impl import ImplConfig
 from cramming.model.config import ArchConfig
 from cramming.optim.config import OptimConfig
 from cramming.optim.schedules import LR_SCHEDULES
-from cramming.train.batches import largest_divisor
 
 log = logging.getLogger("cramming")
 
@@ -80,7 +79,7 @@ class TrainConfig:
     max_nonfinite_updates: int = 10
     # rows of the validation split evaluated (MLM loss, accuracy) at the end of training (0: none)
     validation_rows: int = 2048
-    # also measure on them whether the model uses context (cramming/train/context.py): the masked loss on
+    # also measure on them whether the model uses context (cramming/train/validation.py): the masked loss on
     # real rows against the same rows shuffled, and the targets' unigram entropy; two more forward passes
     context_diagnostic: bool = True
     # deprecated: the top-level trackers=[tensorboard] (shared with eval.py, beside wandb and mlflow); true
@@ -130,30 +129,6 @@ class TrainConfig:
             )
         if self.validation_rows < 0:
             raise config_error("train.validation_rows", self.validation_rows, "use 0 (none) or more rows")
-
-
-def check_batch_division(batch_size: int, microbatch_size: int | str, world_size: int = 1) -> None:
-    """train.batch_size must be formed exactly from micro-batches of impl.microbatch_size on each of
-    `world_size` processes: a batch the micro-batch does not divide would train another batch size than the
-    run records. (The ramp's smaller batches are whole micro-batches by definition: schedules.py.)"""
-    if microbatch_size == "auto":
-        return  # the search only tries divisors (train/autobatch.py)
-    per_update = microbatch_size * world_size
-    if batch_size % per_update == 0:
-        return
-    fits = batch_size % world_size == 0  # else no micro-batch forms it on every process alike
-    where = f" on each of {world_size} processes" if world_size > 1 else ""
-    hint = (
-        f"impl.microbatch_size={largest_divisor(batch_size // world_size, microbatch_size)}"
-        if fits
-        else "another train.batch_size"
-    )
-    raise config_error(
-        "train.batch_size",
-        batch_size,
-        f"it is not a whole number of micro-batches of impl.microbatch_size={microbatch_size}{where}, so the"
-        f" run would train another batch than it records. Use a batch size divisible by {per_update}, or {hint}",
-    )
 
 
 class PretrainRecipe(Protocol):

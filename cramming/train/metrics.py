@@ -1,5 +1,5 @@
-"""What the loop reports while it trains: a log line and a metrics.jsonl record every train.log_every updates,
-the evaluations handed in as hooks, and each record passed on to the trackers.
+"""What the loop reports while it trains: a log line and a metrics.jsonl record every train.log_every updates
+(and whatever record the loop hands in, an evaluation's), each passed on to the trackers. It only reports.
 
 Throughput is measured over a window of updates that excludes set-up and the evaluations' own time.
 """
@@ -9,32 +9,23 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
 
 import torch
 from torch import nn
 
 from cramming.budget import BudgetClock
-from cramming.errors import ConfigError, WriteFailed
-from cramming.model import count_parameters
+from cramming.data import PretrainingData
+from cramming.errors import WriteFailed
+from cramming.model import ArchConfig, count_parameters
+from cramming.optim.step import TrainStep, Update
+from cramming.train.batches import Progress
 from cramming.train.config import TrainConfig
-from cramming.train.state import Progress
 from cramming.utils import per_second
 
 log = logging.getLogger("cramming")
-
-
-class EvalHook(Protocol):
-    """A callback the loop runs between updates (pretrain.py passes anytime GLUE evaluation this way)."""
-
-    def start(self, fraction_done: float) -> None: ...
-
-    def due(self, fraction: float) -> bool: ...
-
-    def __call__(self, model: nn.Module, clock: BudgetClock, update: int, tokens: int) -> dict: ...
 
 
 @dataclass
@@ -48,9 +39,10 @@ class Window:
     rows: int = 0
     since: float = field(default_factory=time.monotonic)
 
-    def add(self, loss: torch.Tensor, correct: torch.Tensor, predicted: torch.Tensor, rows: int) -> None:
-        """One applied update."""
-        self.loss += loss
+    def add(self, update: Update, rows: int) -> None:
+        """One applied update of `rows` sequences (its counts: correct predictions, predictions)."""
+        correct, predicted = update.counts
+        self.loss += update.loss
         self.correct += correct
         self.predicted += predicted
         self.updates += 1
@@ -58,29 +50,23 @@ class Window:
 
 
 class Metrics:
-    """metrics.jsonl (rank 0 only: `path` None elsewhere), the hooks, and the trackers' callback."""
+    """metrics.jsonl (rank 0 only: `path` None elsewhere) and the trackers' callback."""
 
-    def __init__(
-        self,
-        path: Path | None,
-        seq_length: int,
-        hooks: Sequence[EvalHook] = (),
-        on_record: Callable[[dict], None] | None = None,
-    ):
-        self.path, self.seq_length, self.hooks, self.on_record = path, seq_length, tuple(hooks), on_record
+    def __init__(self, path: Path | None, seq_length: int, on_record: Callable[[dict], None] | None = None):
+        self.path, self.seq_length, self.on_record = path, seq_length, on_record
         self.window = Window()
 
     def restart_window(self) -> None:
         """Throughput from here: after set-up, or after an evaluation."""
         self.window = Window()
 
-    def log_progress(self, progress: Progress, lr: float, skipped: int, clock: BudgetClock) -> None:
+    def log_progress(self, step: TrainStep, progress: Progress, clock: BudgetClock) -> None:
         """A log line and a metrics record for the updates since the last one."""
         w = self.window
         if w.updates == 0:
             return
         seconds = max(time.monotonic() - w.since, 1e-9)
-        update = progress.updates
+        update, skipped, lr = step.stats.updates, step.stats.skipped, step.optimizer.param_groups[0]["lr"]
         record = {
             "update": update,
             "microbatches": progress.microbatches,
@@ -119,67 +105,44 @@ class Metrics:
         if self.on_record is not None:
             self.on_record(record)
 
-    # --- evaluation hooks ------------------------------------------------------------------------------
-
-    def start_hooks(self, fraction_done: float, several_ranks: bool) -> None:
-        """Tell the hooks how much of the budget a resumed run has spent (they do not repeat what it passed)."""
-        if self.hooks and several_ranks:
-            raise ConfigError(
-                "evaluation during pretraining (anytime) runs in a single process only; run without torchrun"
-            )
-        for hook in self.hooks:
-            hook.start(fraction_done)
-
-    def run_due_hooks(
-        self, model: nn.Module, clock: BudgetClock, progress: Progress, lr: float, skipped: int, tokens: int
-    ) -> None:
-        """Each evaluation that is due, on the current weights; the throughput figures leave its time out (the
-        window is logged and closed before it). tokens: the training tokens seen so far."""
-        for hook in [hook for hook in self.hooks if hook.due(clock.fraction())]:
-            self.log_progress(progress, lr, skipped, clock)
-            self.write(hook(model, clock, progress.updates, tokens))
-            self.restart_window()
-
 
 # ------------------------------------------------------------------------------------------ set-up lines
 
 
 def log_set_up(
+    model: nn.Module,
+    arch: ArchConfig,
+    data: PretrainingData,
     device: torch.device,
     dtype: torch.dtype,
-    rows: int,
-    seq_length: int,
     microbatch_size: int,
     train: TrainConfig,
-    probability_masking: bool,
 ) -> None:
+    """The lines a run starts with: the model's size, then what it trains on and how."""
+    total = count_parameters(model)
+    embedding = model.encoder.embeddings.word.weight
+    log.info(
+        "model %s: %.1fM parameters (%.1fM without the %d x %d word embedding)",
+        arch.name,
+        total / 1e6,
+        (total - embedding.numel()) / 1e6,
+        data.vocab_size,
+        embedding.shape[-1],
+    )
     log.info(
         "training on %s in %s: %d rows of %d tokens, micro-batch %d, %d sequences per update at %.0f%% of the"
         " budget (from %d)",
         device,
         str(dtype).removeprefix("torch."),
-        rows,
-        seq_length,
+        len(data.train),
+        data.seq_length,
         microbatch_size,
         train.batch_size,
         100 * train.batch_size_ramp,
         min(train.batch_size_start, train.batch_size),
     )
-    if probability_masking:
+    if arch.sparse_prediction and train.mlm.mode != "count":
         log.info(
             "probability masking: the decoder runs on each micro-batch's masked positions, a data-dependent"
             " shape (a host synchronization per micro-batch; a graph break under torch.compile)"
         )
-
-
-def log_model_size(model: nn.Module, name: str, vocab_size: int) -> None:
-    total = count_parameters(model)
-    embedding = model.encoder.embeddings.word.weight
-    log.info(
-        "model %s: %.1fM parameters (%.1fM without the %d x %d word embedding)",
-        name,
-        total / 1e6,
-        (total - embedding.numel()) / 1e6,
-        vocab_size,
-        embedding.shape[-1],
-    )

@@ -9,11 +9,7 @@ resume: there is no masking state to save.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable
-
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from cramming.model import IGNORE_INDEX
@@ -96,6 +92,28 @@ class MLMMasker:
         return chosen & maskable
 
 
+class MLMObjective:
+    """The masked-LM loss of one micro-batch: the one function the loop and the micro-batch search train
+    through (the train step runs it under autocast and takes its loss backward)."""
+
+    def __init__(self, masker: MLMMasker, device: torch.device, predicted_per_row: int | None):
+        """predicted_per_row: masker.predicted_per_row(seq_length), the decoder's static shape (None: dynamic)."""
+        self.masker, self.device, self.predicted_per_row = masker, device, predicted_per_row
+
+    def __call__(
+        self, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """batch: (stream rows (micro,), input_ids (micro, seq)) -> (loss, correct predictions, predictions)."""
+        rows, input_ids = batch
+        corrupted, labels = self.masker(input_ids, rows)
+        if self.device.type == "cuda":  # copies from pinned memory do not wait for the queued GPU work
+            corrupted, labels = corrupted.pin_memory(), labels.pin_memory()
+        corrupted = corrupted.to(self.device, non_blocking=True)
+        labels = labels.to(self.device, non_blocking=True)
+        out = model(corrupted, labels, predicted_per_row=self.predicted_per_row)
+        return (out.loss, *mlm_accuracy_counts(out))
+
+
 @torch.no_grad()
 def mlm_accuracy_counts(out) -> tuple[torch.Tensor, torch.Tensor]:
     """(correct predictions, predictions) of an MLMOutput, on the device (no synchronization). Right where the
@@ -105,27 +123,3 @@ def mlm_accuracy_counts(out) -> tuple[torch.Tensor, torch.Tensor]:
     label_logit = out.logits.gather(-1, out.labels.clamp(min=0)[:, None]).squeeze(-1)
     correct = ((label_logit >= out.logits.amax(dim=-1)) & target).sum()
     return correct, target.sum()
-
-
-@torch.no_grad()
-def mlm_totals(
-    model: nn.Module,
-    inputs: torch.Tensor,
-    labels: torch.Tensor,
-    batch_size: int,
-    autocast: Callable[[], contextlib.AbstractContextManager] | None = None,
-    predicted_per_row: int | None = None,
-) -> tuple[float, int, int]:
-    """(summed cross-entropy, correct predictions, predictions) over the labelled positions of corrupted
-    `inputs` (rows, seq), in chunks of `batch_size` rows: held-out evaluation, whatever the chunking."""
-    device = next(model.parameters()).device
-    loss, correct, count = 0.0, 0, 0
-    for first in range(0, inputs.shape[0], batch_size):
-        part = slice(first, first + batch_size)
-        with autocast() if autocast is not None else contextlib.nullcontext():
-            out = model(inputs[part].to(device), labels[part].to(device), predicted_per_row=predicted_per_row)
-        right, predicted = mlm_accuracy_counts(out)
-        loss += F.cross_entropy(out.logits.float(), out.labels, reduction="sum").item()
-        correct += int(right)
-        count += int(predicted)
-    return loss, correct, count

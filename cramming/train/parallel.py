@@ -21,12 +21,13 @@ What N processes compute is what one process computes with an N times larger mic
     and the schedule reads the same budget fraction everywhere.
 Only rank 0 logs (the others keep warnings), writes metrics, the resumable state and the final checkpoint.
 How model and optimizer state are gathered from and loaded into the ranks' layout, and the final weights
-gathered for the checkpoint: cramming.train.sharded_state.
+gathered for the checkpoint: cramming.train.state (the checkpointer).
 
-What the training loop does across the ranks goes through one object, `Parallel`: it wraps the model, turns
-gradient synchronization on for an update's last micro-batch, reduces the update's statistics and waits for
-the other ranks. The budget clock (cramming.budget.budget_clock) and the resumable state (cramming.train.state)
-meet the ranks in their own modules.
+What the model and the update do across the ranks goes through one object, `Parallel`: it shards or wraps the
+model at set-up, and hands the train step (cramming.optim.step) two callables, `grad_sync` (gradients reduced
+on an update's last micro-batch only) and `reduce_update_stats`. How each optimizer updates its shards: the
+docstring of cramming.optim.base. The budget clock (cramming.budget.budget_clock) and the resumable state
+(cramming.train.state) meet the ranks in their own modules.
 """
 
 from __future__ import annotations
@@ -40,8 +41,7 @@ import torch.distributed as dist
 from torch import nn
 
 from cramming.errors import ConfigError
-from cramming.model.checkpoint import unwrap
-from cramming.train.ranks import Ranks
+from cramming.ranks import Ranks
 
 log = logging.getLogger("cramming")
 
@@ -60,24 +60,15 @@ def _fsdp2(model: nn.Module, device: torch.device) -> nn.Module:
 
 def _lift_scalars(model: nn.Module) -> None:
     """fully_shard refuses 0-dim parameters (the scaled-sinusoidal position scale): make them 1-element
-    vectors, which broadcast the same. Their names are kept in `model.lifted_scalars`; sharded_state's
-    full_state and load_full_state turn them back, so states and checkpoints have one format whatever the
-    mode."""
+    vectors, which broadcast the same. Their names are kept in `model.lifted_scalars`; the checkpointer
+    (cramming.train.state) turns them back when it gathers and loads states, so states and checkpoints have
+    one format whatever the mode."""
     model.lifted_scalars = {name for name, param in model.named_parameters() if param.ndim == 0}
     for name in model.lifted_scalars:
         owner_name, _, attr = name.rpartition(".")
         owner = model.get_submodule(owner_name)
         param = getattr(owner, attr)
         setattr(owner, attr, nn.Parameter(param.detach().reshape(1), requires_grad=param.requires_grad))
-
-
-# FSDP2 hands optimizers DTensor shards (dim 0), and every optimizer updates them, each rank its own rows
-# (LeanOptimizer._step_param): AdamW is elementwise, the 8-/4-bit forms quantize each rank's shard of a moment
-# on its own, GaLore gathers a weight's whole gradient on projector refreshes only, and Adafactor sums its
-# factored statistics over the ranks. The layerwise forms step inside backward: under FSDP2 in the
-# post-accumulate-grad hooks of the sharded parameters, which FSDP2 runs after each module's reduce-scatter
-# (torch >= 2.5; an older FSDP2 never runs them, and the first step says so); under DDP mode they run without
-# the DDP wrapper and average each gradient over the ranks themselves (cramming.optim.layerwise).
 
 
 def _same_start(model: nn.Module) -> None:
@@ -95,6 +86,7 @@ class Parallel:
         self.ranks = ranks
         self.active = ranks.active
         self.fsdp2 = ranks.active and ranks.mode == "fsdp2"
+        self.wrapped: nn.Module | None = None  # what wrap() returned: the DDP wrapper, or the model itself
 
     # --- building --------------------------------------------------------------------------------------
 
@@ -121,24 +113,29 @@ class Parallel:
         itself before it runs the optimizer's hooks."""
         return dist.group.WORLD if self.active and not self.fsdp2 else None
 
-    def wrap(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> nn.Module:
-        """The module that runs forward/backward: `model` itself (one process, FSDP2, or an optimizer that
-        reduces each gradient itself: `optimizer.layerwise`), else its DDP wrapper."""
-        if not self.active or self.fsdp2 or getattr(optimizer, "layerwise", False):
+    def wrap(self, model: nn.Module, layerwise: bool = False) -> nn.Module:
+        """The module that runs forward/backward: `model` itself (one process, FSDP2, or a layerwise optimizer,
+        which reduces each gradient itself: `layerwise`), else its DDP wrapper. Before or after the optimizer is
+        built, as one likes: DDP only hooks the parameters' gradients."""
+        self.wrapped = model
+        if not self.active or self.fsdp2 or layerwise:
             return model
         from torch.nn.parallel import DistributedDataParallel
 
         device = self.ranks.device
-        return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+        self.wrapped = DistributedDataParallel(
+            model, device_ids=[device.index] if device.type == "cuda" else None
+        )
+        return self.wrapped
 
     # --- every update ----------------------------------------------------------------------------------
 
-    def grad_sync(self, step_model: nn.Module, sync: bool) -> contextlib.AbstractContextManager:
-        """Around one micro-batch's forward/backward: gradients are reduced over the ranks only when `sync`
-        (the last micro-batch of an update); the others accumulate locally."""
+    def grad_sync(self, sync: bool) -> contextlib.AbstractContextManager:
+        """Around one micro-batch's forward/backward of the wrapped model: gradients are reduced over the ranks
+        only when `sync` (the last micro-batch of an update); the others accumulate locally."""
         if not self.active:
             return contextlib.nullcontext()
-        module = unwrap(step_model)  # under torch.compile's wrapper
+        module = self.wrapped  # (torch.compile, when on, wraps this one: set-up compiles after wrapping)
         if self.fsdp2:
             module.set_requires_gradient_sync(sync)
             return contextlib.nullcontext()
@@ -154,10 +151,3 @@ class Parallel:
         stats = torch.stack([loss_sum / self.ranks.world_size, *(c.to(loss_sum.dtype) for c in counts)])
         dist.all_reduce(stats)
         return list(stats.unbind())
-
-    # --- the end -----------------------------------------------------------------------------------
-
-    def barrier(self) -> None:
-        """Wait for every rank (e.g. until rank 0 has written the final checkpoint)."""
-        if self.active:
-            dist.barrier(group=self.ranks.control)

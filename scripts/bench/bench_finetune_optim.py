@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from cramming.eval.config import EvalConfig
-from cramming.eval.finetune import encode, padded_batch, task_loss
+from cramming.eval.finetune import batch_loss, encode, padded_batch
 from cramming.eval.glue_data import load_local
 from cramming.eval.head import SequenceClassifier
 from cramming.eval.run import checkpoint_backbone
@@ -155,11 +155,8 @@ def main(argv: list[str] | None = None) -> None:
     def update(row: dict, index: np.ndarray) -> None:
         batch = padded_batch(train, index, backbone.pad_id, device)
         row["step"].begin(1.0)
-        with row["step"].autocast():
-            logits = row["model"](batch["input_ids"], batch["attention_mask"], batch["token_type_ids"])
-        loss = task_loss(logits, batch["labels"], task.is_regression)
-        row["step"].backward(loss)
-        row["step"].apply(loss.detach())
+        row["step"].microbatch(batch_loss, row["model"], batch, task.is_regression)
+        row["step"].apply()
 
     for row in rows.values():  # a warm-up (GaLore: its first SVDs)
         for index in batches[:3]:

@@ -67,10 +67,8 @@ def child(args: argparse.Namespace) -> dict:
 
     def update() -> None:
         step.begin()
-        with step.autocast():
-            loss = model(corrupted, labels, predicted_per_row=k).loss
-        step.backward(loss)
-        step.apply(loss.detach())
+        step.microbatch(lambda: (model(corrupted, labels, predicted_per_row=k).loss,))
+        step.apply()
 
     for _ in range(args.warmup):
         update()

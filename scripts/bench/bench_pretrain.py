@@ -62,7 +62,7 @@ from cramming.optim import OptimConfig, build_optimizer
 from cramming.optim.step import TrainStep
 from cramming.train.batches import microbatches
 from cramming.train.config import MLMConfig
-from cramming.train.mlm import MLMMasker
+from cramming.train.mlm import MLMMasker, MLMObjective
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -152,10 +152,8 @@ def make_step(model, optimizer, device: torch.device, dtype: torch.dtype, forwar
 
     def step(corrupted: torch.Tensor, labels: torch.Tensor) -> None:
         train_step.begin()
-        with train_step.autocast():
-            loss = forward(corrupted, labels)
-        train_step.backward(loss)
-        train_step.apply(loss.detach())
+        train_step.microbatch(lambda: (forward(corrupted, labels),))
+        train_step.apply()
 
     return step
 
@@ -574,8 +572,7 @@ def autobatch_report(args: argparse.Namespace) -> str:
         cache = Path(tmp) / autobatch.CACHE_FILE
         chosen = autobatch.choose_microbatch(
             model,
-            masker,
-            device,
+            MLMObjective(masker, device, masker.predicted_per_row(args.seq)),
             dtype,
             args.seq,
             cache_path=cache,

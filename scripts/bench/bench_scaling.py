@@ -5,9 +5,10 @@
     for n in 1 2 4 8; do torchrun --standalone --nproc_per_node=$n scripts/bench/bench_scaling.py --out results/step-speed/scaling.md; done
 
 Each rank trains crammed-bert (or --arch) on random token rows (sequence 128, vocabulary 32768, the bert-o4
-masking) with the loop's own pieces: cramming.train.ranks for the process group and cramming.train.parallel, the DDP / FSDP2
-wrapper, gradient sync on the last of --accumulate micro-batches only and the rank-sliced masking; AdamW,
-bf16 autocast on CUDA, clipping. The first --warmup updates are not timed (compilation, NCCL set-up). Weak
+masking) with the loop's own pieces: cramming.ranks for the process group, cramming.train.parallel for the DDP /
+FSDP2 wrapper and the gradient sync on the last of --accumulate micro-batches, and the loop's update
+(cramming.optim.step.TrainStep through the MLM objective of cramming.train.mlm, rank-sliced masking); AdamW,
+bf16 autocast on CUDA, clipping at 0.5. The first --warmup updates are not timed (compilation, NCCL set-up). Weak
 scaling: the micro-batch per GPU is fixed, so the global batch grows with N, as the recipe's accumulation
 count falls. Rank 0 prints one markdown row (and appends it to --out): GPUs, mode, global tokens/s, tokens/s
 per GPU. Scaling efficiency = tokens/s per GPU at N / at 1. With one process there is no process group:
@@ -30,10 +31,11 @@ from omegaconf import OmegaConf
 from cramming.impl import PARALLEL_MODES, ImplConfig
 from cramming.model import ArchConfig, build_model
 from cramming.optim import OptimConfig, build_optimizer
+from cramming.optim.step import TrainStep
+from cramming.ranks import init_from_env, shutdown
 from cramming.train.config import MLMConfig
-from cramming.train.mlm import MLMMasker
+from cramming.train.mlm import MLMMasker, MLMObjective
 from cramming.train.parallel import Parallel
-from cramming.train.ranks import init_from_env, shutdown
 
 CONF = Path(__file__).resolve().parents[2] / "conf" / "arch"
 
@@ -45,38 +47,35 @@ def load_arch(name: str) -> ArchConfig:
 
 
 def time_updates(args: argparse.Namespace) -> dict:
-    parallel = Parallel(init_from_env(ImplConfig(device=args.device, distributed=args.mode)))
+    parallel = Parallel(init_from_env(ImplConfig(device=args.device).torch_device(), args.mode))
     ranks = parallel.ranks
     device = ranks.device
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     torch.manual_seed(0)  # the same initial weights on every rank
     model = build_model(load_arch(args.arch), args.vocab, device=device, dropout=0.0)
     model = parallel.shard(model, dtype)
+    step_model = parallel.wrap(model)
     optimizer = build_optimizer(model, OptimConfig())
-    step_model = parallel.wrap(model, optimizer)
     if args.compile:
         step_model = torch.compile(step_model)
     masker = MLMMasker(MLMConfig(), args.vocab, (0, 1, 2, 3, 4), mask_id=4)
+    objective = MLMObjective(masker, device, masker.predicted_per_row(args.seq))
+    train_step = TrainStep(
+        model, optimizer, device_type=device.type, dtype=dtype, grad_clip=0.5,
+        grad_sync=parallel.grad_sync, reduce=parallel.reduce_update_stats,
+    )  # fmt: skip
     generator = torch.Generator().manual_seed(0)
     rows = torch.randint(5, args.vocab, (args.microbatch, args.seq), generator=generator)
+    batch = (torch.arange(len(rows)) + ranks.rank * len(rows), rows)  # this rank's stream rows
     seconds = []
     for step in range(args.warmup + args.steps):
         if device.type == "cuda":
             torch.cuda.synchronize()
         start = time.perf_counter()
-        for i in range(args.accumulate):
-            with parallel.grad_sync(step_model, sync=i == args.accumulate - 1):
-                input_ids, labels = masker(rows, torch.arange(len(rows)) + ranks.rank * len(rows))
-                with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
-                    loss = step_model(
-                        input_ids.to(device),
-                        labels.to(device),
-                        predicted_per_row=masker.predicted_per_row(args.seq),
-                    ).loss
-                (loss / args.accumulate).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        train_step.begin(1.0, args.accumulate)
+        while not train_step.complete:
+            train_step.microbatch(objective, step_model, batch)
+        train_step.apply()
         if device.type == "cuda":
             torch.cuda.synchronize()
         if step >= args.warmup:

@@ -96,9 +96,9 @@ def args_value(args: list[str], key: str) -> str:
     return next(a.split("=", 1)[1] for a in args if a.startswith(f"{key}="))
 
 
-def state_progress(run_dir: Path | None) -> dict | None:
+def state_progress(run_dir: Path | None) -> train_state.TrainingState | None:
     path = None if run_dir is None else run_dir / train_state.STATE
-    return train_state.load_state(path) if path is not None and path.exists() else None
+    return train_state.read_state(path) if path is not None and path.exists() else None
 
 
 def train_wall_seconds(run_dir: Path) -> float | None:
@@ -149,17 +149,17 @@ def run_chaos(workdir: Path, interruptions: int, steps: int, seed: int, rng: ran
         rows[-1]["resumed_ok"] = resumed(final)
     chain_state = state_progress(final.run_dir)
     rows.append({
-        "kind": "final", "when": f"after update {chain_state['progress']['updates']}",
+        "kind": "final", "when": f"after update {chain_state.updates}",
         "resumed_ok": final.returncode == 0,
         "max_dw": max_abs_diff(final.run_dir / "checkpoint", reference.run_dir / "checkpoint"),
-        "budget_delta": (chain_state["elapsed"] - ref_state["elapsed"]) / ref_state["elapsed"],
-        "budget_note": f"chain {chain_state['elapsed']:.2f} s vs uninterrupted {ref_state['elapsed']:.2f} s",
+        "budget_delta": (chain_state.elapsed - ref_state.elapsed) / ref_state.elapsed,
+        "budget_note": f"chain {chain_state.elapsed:.2f} s vs uninterrupted {ref_state.elapsed:.2f} s",
     })  # fmt: skip
     return rows
 
 
 def latest_state(root: Path) -> Path | None:
-    return train_state.find_resumable_state(root.parent, root.name) if root.is_dir() else None
+    return train_state.newest_state(root.parent, root.name) if root.is_dir() else None
 
 
 def resumed(segment: Segment) -> bool:
@@ -169,20 +169,20 @@ def resumed(segment: Segment) -> bool:
 
 def describe(segment: Segment, before: Path | None) -> dict:
     """Where the interruption hit, whether the run left a state the next one can load, and its budget."""
-    loaded = train_state.load_state(before) if before else None
-    start = loaded["progress"] if loaded else {"updates": 0, "microbatches": 0, "rows": 0}
+    loaded = train_state.read_state(before) if before else None
+    start = loaded.progress if loaded else train_state.Progress()
     state = state_progress(segment.run_dir)
     row = {"kind": segment.kind, "resumed_ok": False, "max_dw": None, "budget_delta": None, "budget_note": ""}
     if segment.returncode == 0:
         row |= {"when": "finished before the signal", "resumed_ok": True}
         return row
     if segment.kind == "SIGTERM" and state is not None:
-        p = state["progress"]
-        dropped = (p["microbatches"] - start["microbatches"]) - (p["rows"] - start["rows"]) // MICROBATCH
-        where = f"update {p['updates'] + 1}, {dropped} of {BATCH // MICROBATCH} micro-batches done"
-        where = where if dropped else f"after update {p['updates']}"
+        p = state.progress
+        dropped = (p.microbatches - start.microbatches) - (p.rows - start.rows) // MICROBATCH
+        where = f"update {state.updates + 1}, {dropped} of {BATCH // MICROBATCH} micro-batches done"
+        where = where if dropped else f"after update {state.updates}"
         row["when"] = f"{segment.after_s:.2f} s in: {where}"
-        charged = state["elapsed"] - (loaded["elapsed"] if loaded else 0.0)
+        charged = state.elapsed - (loaded.elapsed if loaded else 0.0)
         wall = train_wall_seconds(segment.run_dir)
         if wall:
             final_save = final_save_seconds(segment.log)
@@ -193,7 +193,7 @@ def describe(segment: Segment, before: Path | None) -> dict:
                 f"charged {charged:.3f} s, in train() {wall:.3f} s less the final save {final_save:.3f} s"
             )
     else:
-        last = f"last state: update {state['progress']['updates']}" if state else "no state saved"
+        last = f"last state: update {state.updates}" if state else "no state saved"
         row["when"] = f"{segment.after_s:.2f} s in ({last})"
         row["budget_note"] = "work since the last state is lost, not charged"
     return row  # resumed_ok: set when the next segment has run

@@ -51,7 +51,8 @@ from pathlib import Path
 from typing import Any
 
 from cramming.eval import blimp
-from cramming.utils import atomic_write_text, newest_run_dir
+from cramming.runs import newest_run_dir
+from cramming.utils import atomic_write_text
 from scripts.studies.blimp_study import published, random_twin
 from scripts.studies.blimp_study import score as blimp_score
 from scripts.studies.blimp_study import table as phenomenon_table

@@ -19,11 +19,10 @@ import torch.distributed as dist
 from hydra import compose, initialize_config_dir
 
 from cramming.config import CONF_DIR, register_configs, validate
-from cramming.impl import ImplConfig
 from cramming.model import build_model
 from cramming.optim import build_optimizer, optimizer_state_report
+from cramming.ranks import Ranks, init_from_env, shutdown
 from cramming.train.parallel import Parallel
-from cramming.train.ranks import Ranks, init_from_env, shutdown
 
 # row label -> train/optim and overrides; GaLore at its default rank 128, with the config's `std` sides
 # (FFN down, 768 x 3072, is projected on the left: replicated moments) and with every weight on the right
@@ -73,7 +72,7 @@ def main() -> None:
     args = parser.parse_args()
     rows = []
     for mode in args.modes:
-        ranks = init_from_env(ImplConfig(device="cpu", distributed=mode))
+        ranks = init_from_env(torch.device("cpu"), mode)
         for optim in args.optimizers:
             whole, each, params = per_rank_bytes(config(args.arch, *OPTIMIZERS[optim]), args.vocab, ranks)
             share = params / ranks.world_size if mode == "fsdp2" else params  # parameters a rank updates

@@ -2,7 +2,7 @@
 
 A plain loop (AdamW, linear warm-up then a constant rate, clipping 0.5, no batch ramp) over the rows of a
 processed dataset, with the package's model, MLM masker and context-use diagnostic
-(cramming/train/context.py), printed every 500 updates on 256 validation rows and at the end on all of them.
+(cramming/train/validation.py), printed every 500 updates on 256 validation rows and at the end on all of them.
 It is deliberately simpler than pretrain.py (no budget schedule, no checkpoints) so each knob can be flipped
 alone; results/cpu-study/ lists the probes that were run and what they showed.
 
@@ -25,8 +25,8 @@ from cramming.data.pipeline import load_pretraining_data
 from cramming.model import BertForMLM
 from cramming.model.config import ArchConfig
 from cramming.train.config import MLMConfig
-from cramming.train.context import context_use
 from cramming.train.mlm import MLMMasker
+from cramming.train.validation import context_use
 
 CONF = Path(__file__).resolve().parents[2] / "conf" / "arch"
 

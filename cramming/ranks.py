@@ -1,6 +1,6 @@
 """Where this process stands in a job of several (torchrun), or a single process: the process group, rank 0's
-values for everyone, and local-rank-0-first blocks. How the model and the loop use the ranks:
-cramming.train.parallel."""
+values for everyone, and local-rank-0-first blocks. The budget clock agrees across the ranks (cramming.budget);
+how the model and the loop use them: cramming.train.parallel."""
 
 from __future__ import annotations
 
@@ -16,7 +16,6 @@ import torch
 import torch.distributed as dist
 
 from cramming.errors import ConfigError
-from cramming.impl import ImplConfig
 from cramming.utils import launched_by_torchrun
 
 log = logging.getLogger("cramming")
@@ -48,24 +47,28 @@ class Ranks:
         """Rank 0: the one that logs, writes metrics and checkpoints, and whose clock is the budget's."""
         return self.rank == 0
 
+    def barrier(self) -> None:
+        """Wait for every rank (e.g. until rank 0 has written a checkpoint); nothing in a single process."""
+        if self.active:
+            dist.barrier(group=self.control)
+
 
 _ranks: Ranks | None = None  # the process group is process-wide state already; this caches its description
 
 
-def init_from_env(impl: ImplConfig) -> Ranks:
+def init_from_env(device: torch.device, mode: str = "ddp") -> Ranks:
     """The process group torchrun asks for (made once per process; later calls join it again), or a single
-    process when not launched by torchrun."""
+    process when not launched by torchrun. device: impl.torch_device(); mode: impl.distributed."""
     global _ranks
     if _ranks is not None:
-        return dataclasses.replace(_ranks, mode=impl.distributed)  # one group, a run's own choice of mode
-    device = impl.torch_device()
+        return dataclasses.replace(_ranks, mode=mode)  # one group, a run's own choice of mode
     if not launched_by_torchrun():
         return Ranks(device=device)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if device.type == "cuda":
-        if impl.device not in ("auto", "cuda"):
+        if device.index is not None:
             raise ConfigError(
-                f"impl.device={impl.device} under torchrun: each process takes the GPU of its LOCAL_RANK; use"
+                f"impl.device={device} under torchrun: each process takes the GPU of its LOCAL_RANK; use"
                 " impl.device=cuda (or auto) and choose GPUs with CUDA_VISIBLE_DEVICES"
             )
         device = torch.device("cuda", local_rank)
@@ -74,7 +77,7 @@ def init_from_env(impl: ImplConfig) -> Ranks:
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend, device_id=device if device.type == "cuda" else None)
     control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
-    _ranks = Ranks(dist.get_rank(), dist.get_world_size(), local_rank, impl.distributed, device, control)
+    _ranks = Ranks(dist.get_rank(), dist.get_world_size(), local_rank, mode, device, control)
     if not _ranks.is_main:
         log.setLevel(logging.WARNING)  # one log for the job: rank 0's
     log.info(

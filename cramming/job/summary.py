@@ -7,7 +7,7 @@ import math
 import shlex
 from pathlib import Path
 
-from cramming.train.context import USES_CONTEXT_GAIN
+from cramming.train.validation import USES_CONTEXT_GAIN
 
 # the project-local GLUE copy that `python scripts/get_data.py glue` writes (docs/evaluation.md)
 LOCAL_GLUE = Path("data/glue")

@@ -11,8 +11,8 @@ from test_train import make_config, run_dir, synthetic_data
 from cramming.model import IGNORE_INDEX, MLMOutput
 from cramming.train import loop
 from cramming.train.config import MLMConfig
-from cramming.train.context import context_use, masked_for_diagnosis, shuffle_within_rows, unigram_entropy
 from cramming.train.mlm import MLMMasker
+from cramming.train.validation import context_use, masked_for_diagnosis, shuffle_within_rows, unigram_entropy
 
 SPECIAL = torch.tensor([0, 1, 2, 3, 4])
 
