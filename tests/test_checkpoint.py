@@ -433,7 +433,9 @@ def test_a_version_3_state_resumes_with_the_one_counter(tmp_path, monkeypatch):
     }
     upgraded = train_state.TrainingState.from_dict(v3, path)
     assert upgraded.updates == 3 and upgraded.step["stats"]["skipped"] == 1
-    assert "updates" not in vars(upgraded.progress) and torch.equal(upgraded.step["rng"]["torch"], rng["torch"])
+    assert "updates" not in vars(upgraded.progress) and torch.equal(
+        upgraded.step["rng"]["torch"], rng["torch"]
+    )
     train_state.save_state(path, v3)
     resumed = loop.train(cfg, data, run_dir(cfg))  # its own folder: continues from the version-3 state
     assert resumed.stop_reason == "steps" and resumed.updates == 5 and resumed.skipped == 1
