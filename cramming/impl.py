@@ -47,7 +47,8 @@ class ImplConfig:
     strict_kernels: bool = False
     # sequences per forward/backward pass; the recipe's batch size is reached by accumulation. auto: searched
     # at start-up for the most tokens/s that fits, on the budget's clock, cached per device and model shape
-    # in {base_dir}/autobatch.json (cramming.train.autobatch); set-up replaces it by the number chosen.
+    # in {base_dir}/autobatch.json (cramming.train.autobatch); set-up uses the number chosen and never writes
+    # it back here.
     # Typed Any so it takes a number or "auto"; checked below
     microbatch_size: Any = 128
     # DataLoader worker processes during training

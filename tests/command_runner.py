@@ -29,10 +29,10 @@ def run_command(argv: list[str]) -> tuple[int, str]:
     """(exit status, stdout and stderr together) of one command."""
     from hydra.core.global_hydra import GlobalHydra
 
-    import cramming.utils
+    import cramming.runs
 
     GlobalHydra.instance().clear()
-    cramming.utils._CLAIMED.clear()  # a process of its own claims its run folder afresh
+    cramming.runs._CLAIMED.clear()  # a process of its own claims its run folder afresh
     sys.argv = list(argv)
     with tempfile.TemporaryFile() as captured:
         sys.stdout.flush()

@@ -8,4 +8,5 @@ trackers.py  the run's experiment trackers: started by the entry point, fed ever
 cluster.py   sweeps as cluster jobs: time limits, and handing a stopped job back to its launcher
 sweeps.py    the start and end of a multirun (Hydra callback): the sweep's summary and trackers
 report.py    tables and plots of finished runs and sweeps (scripts/report.py)
+summary.py   the lines a finished pretraining run ends with: what it learned, where it is, what to run next
 """

@@ -17,7 +17,7 @@ gradient) during backward already: for it a non-finite loss is counted but canno
 
 The random streams (torch's, Python's, NumPy's) are the step's too: captured in one place (rng_state), saved
 with its state, rewound by discard(), and kept as they were around work that must not shift them
-(preserved_rng: evaluations during pretraining, the micro-batch search).
+(preserved_rng: an evaluation during pretraining).
 
 Several processes meet here only through two callables handed in (cramming.train.parallel's): `grad_sync(last)`
 around a micro-batch's forward and backward, and `reduce(loss_sum, *counts)` over the ranks before the
