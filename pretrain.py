@@ -6,12 +6,14 @@ Reads like the recipe: compose the config, prepare (or find) the data, train unt
 from __future__ import annotations
 
 import logging
+import shlex
 from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
+from cramming.calibration import run_costs
 from cramming.config import PretrainConfig, register_configs, validate
 from cramming.data import PretrainingData, prepare_pretraining_data
 from cramming.eval.anytime import AnytimeEval
@@ -53,6 +55,9 @@ def pretrain(cfg: DictConfig, card: RunCard) -> float | None:
     if config.dryrun:
         log.info("dryrun: data ready at %s; exiting before training", data.path)
         return None
+    # on the reference clock a shape its calibration lacks is refused now, naming the command with these overrides
+    overrides = shlex.join(HydraConfig.get().overrides.task)
+    run_costs(config, data.vocab_size, data.seq_length, ranks.world_size, overrides)
     # the budget clock starts inside train(): preprocessing above does not count against it
     run_dir = rank_zero_value(ranks, Path(HydraConfig.get().runtime.output_dir))  # one for all
     # W&B, MLflow, TensorBoard (trackers=[...]): before the budget clock starts; a resumed run continues theirs
@@ -69,6 +74,8 @@ def pretrain(cfg: DictConfig, card: RunCard) -> float | None:
         elapsed_before=result.elapsed_before,
         validation=result.validation,
         finished=result.checkpoint is not None,
+        clock=result.clock,
+        wall_seconds=result.wall_seconds,
     )
     if result.checkpoint is None:  # stopped by a signal, after saving a resumable state (cramming.job.exits)
         raise RunStopped(result.stop_reason, f"a resumable state is saved in {run_dir}")

@@ -65,6 +65,17 @@ class PretrainConfig:
                 "budget", self.budget, "give the wall-clock budget in hours, e.g. budget=24 or budget=0.1"
             )
         check_batch_division(self.train.batch_size, self.impl.microbatch_size)
+        if self.train.clock == "reference":
+            if self.impl.microbatch_size == "auto":
+                raise config_error(
+                    "impl.microbatch_size", "auto", "on train.clock=reference give a number: auto chooses by"
+                    " this machine's speed, and the calibration prices one micro-batch size",
+                )  # fmt: skip
+            if self.anytime.at and self.anytime.charged:
+                raise config_error(
+                    "anytime.charged", True, "the reference clock charges calibrated costs only, and"
+                    " evaluations are not calibrated: use anytime.charged=false, or train.clock=wall",
+                )  # fmt: skip
         if not self.name or "/" in self.name:
             raise config_error("name", self.name, "use a plain folder name without '/'")
         if self.data.seq_length > self.arch.max_seq_length:

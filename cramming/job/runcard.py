@@ -212,10 +212,14 @@ class RunCard:
         elapsed_before: float,
         validation: dict | None,
         finished: bool,
+        clock: dict | None = None,
+        wall_seconds: float | None = None,
     ) -> None:
         """Final metrics and the time split of a pretraining run (cramming.train.loop.TrainResult's figures),
         read with the run's metrics.jsonl. elapsed: budget seconds of every part of the run, elapsed_before:
-        of them, those spent before a resume; finished: a final model was written (else interrupted)."""
+        of them, those spent before a resume; finished: a final model was written (else interrupted); clock:
+        which clock counted the budget (the reference clock's calibration file, hash and machine);
+        wall_seconds: what this process took in train()."""
         records = read_metrics(self.run_dir)
         losses = [r for r in records if "loss" in r]
         validation = validation or {}
@@ -224,7 +228,9 @@ class RunCard:
         self.metrics |= {
             "stop_reason": stop_reason,
             "updates": updates,
-            "budget_hours_spent": elapsed / 3600,
+            "budget_hours_spent": elapsed / 3600,  # on the clock `clock` names
+            "clock": clock or {"clock": "wall"},
+            "wall_hours_taken": None if wall_seconds is None else wall_seconds / 3600,  # by this process
             "tokens": rows * self.data.get("seq_length", 0),
             "loss": losses[-1]["loss"] if losses else None,
             "mlm_acc": losses[-1]["mlm_acc"] if losses else None,
@@ -496,17 +502,24 @@ def split_training_time(
     `compile` is what that first update took beyond a steady one (torch.compile, lazy initialization).
     `eval` is everything in train() that is not set-up or updates: anytime evaluations, the final
     validation and saving the model. A resumed run: budget_spent is what this process spent, and the records'
-    elapsed_h count on from elapsed_before (the budget the resumed state had spent).
+    elapsed_h count on from elapsed_before (the budget the resumed state had spent). On the reference clock the
+    records' wall_h (this process's own wall hours) stand in for the budget's.
     """
     if not losses:
         return {"setup": None, "compile": None, "train": budget_spent, "eval": wall - budget_spent}
     first = losses[0]
     first_update = first["batch_size"] / first["seq_per_s"]
-    setup = max(0.0, first["elapsed_h"] * 3600 - elapsed_before - first_update)
+    if "wall_h" in first:  # the reference clock: budget time is not wall time; the records carry both
+        setup = max(0.0, first["wall_h"] * 3600 - first_update)
+        spent = losses[-1]["wall_h"] * 3600
+        evaluations = sum(r["anytime_seconds"] for r in anytime)
+    else:
+        setup = max(0.0, first["elapsed_h"] * 3600 - elapsed_before - first_update)
+        spent = budget_spent
+        evaluations = sum(r["anytime_seconds"] for r in anytime if r["anytime_charged"])
     steady = [r["seq_per_s"] for r in losses[1:]]
     compile_s = max(0.0, first_update - first["batch_size"] / statistics.median(steady)) if steady else 0.0
-    charged = sum(r["anytime_seconds"] for r in anytime if r["anytime_charged"])
-    train = max(0.0, budget_spent - setup - compile_s - charged)
+    train = max(0.0, spent - setup - compile_s - evaluations)
     return {
         "setup": setup,
         "compile": compile_s,

@@ -6,6 +6,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from cramming.budget import CLOCKS
 from cramming.errors import check_choice, config_error
 from cramming.impl import ImplConfig
 from cramming.model.config import ArchConfig
@@ -61,6 +62,13 @@ class TrainConfig:
     batch_size_ramp: float = 0.6
     # sequences per update when the ramp starts (capped at batch_size)
     batch_size_start: int = 128
+    # what the budget counts. wall: seconds as they pass (your real run). reference: every micro-batch and
+    # update charged what it cost on the machine of train.calibration, so a budget buys the same updates on
+    # any machine and under any load (comparing recipes; docs/clocks.md)
+    clock: str = "wall"
+    # the reference clock's costs: a file in conf/calibration/ (without .json) or a path; measured with
+    # `python -m cramming.calibrate <the run's overrides>`
+    calibration: str = "cpu-epyc-avx2"
     # a name in cramming.optim.schedules.LR_SCHEDULES: budget-triangle2 | budget-cosine | budget-constant | steps-linear
     lr_schedule: str = "budget-triangle2"
     # fraction of the schedule's clock spent warming up; null: the schedule's own default
@@ -91,6 +99,11 @@ class TrainConfig:
             log.warning("train.tensorboard=true is deprecated: use trackers=[tensorboard] (docs/tracking.md)")
         self.optim.check("train.optim")
         check_choice("train.lr_schedule", self.lr_schedule, LR_SCHEDULES)
+        check_choice("train.clock", self.clock, CLOCKS)
+        if not self.calibration:
+            raise config_error(
+                "train.calibration", self.calibration, "name a file in conf/calibration/ or a path"
+            )
         if self.batch_size < 1:
             raise config_error(
                 "train.batch_size", self.batch_size, "use a positive number of sequences per update"

@@ -25,7 +25,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Protocol
 
@@ -34,6 +34,7 @@ import torch._dynamo  # noqa: F401  imported before the budget clock starts: the
 from torch import nn
 
 from cramming.budget import BudgetClock, budget_clock
+from cramming.calibration import run_costs
 from cramming.data import PretrainingData
 from cramming.errors import ConfigError
 from cramming.model import build_model
@@ -98,6 +99,10 @@ class TrainResult:
     elapsed_before: float  # of `elapsed`, the part spent before a resume (by the runs resumed from)
     checkpoint: Path | None = None  # the final model; None when interrupted
     validation: dict | None = None
+    clock: dict = field(
+        default_factory=dict
+    )  # which clock counted the budget (its calibration, if reference)
+    wall_seconds: float = 0.0  # what this process took, set-up to the end
 
 
 # ---------------------------------------------------------------------------------------------------- set-up
@@ -114,16 +119,18 @@ def set_up(
 ) -> Run:
     ranks, train = init_from_env(cfg.impl.torch_device(), cfg.impl.distributed), cfg.train  # torchrun's, or 1
     run_dir.mkdir(parents=True, exist_ok=True)
-    loading = clock()
-    # before anything is built: a state for other data or another model is refused by name
+    loading, reference = clock(), run_costs(cfg, data.vocab_size, data.seq_length, ranks.world_size)
+    # before anything is built: a state for other data, another model or another clock is refused by name
     checkpointer = Checkpointer.find(
         run_dir, ranks, data, cfg.arch, every_seconds=60 * train.checkpoint_every_min, resume=cfg.resume,
         base_dir=Path(cfg.base_dir), name=cfg.name, steps=train.steps, budget_hours=cfg.budget,
+        clock={"clock": train.clock, "costs": asdict(reference[0]) if reference else None},
     )  # fmt: skip
-    # reading the state is part of this run's set-up, on the budget; the downtime before it is not
-    budget = budget_clock(cfg.budget, clock, checkpointer.elapsed_before + clock() - loading, ranks)
+    # the wall clock charges reading the state to this run's set-up; the downtime before it is free
+    before = checkpointer.elapsed_before + (clock() - loading if reference is None else 0.0)
+    budget = budget_clock(cfg.budget, clock, before, ranks, reference, fresh=checkpointer.saved is None)
     dtype, why = cfg.impl.precision_choice(ranks.device)
-    log.info("precision %s (%s)", str(dtype).removeprefix("torch."), why)
+    log.info("precision %s (%s); %s", str(dtype).removeprefix("torch."), why, budget.about())
     seed_everything(cfg.seed)
     cfg.impl.apply_to_process(ranks.device)  # threads on any device, as evaluation does; CPU allocator
     if ranks.device.type == "cuda":
@@ -244,7 +251,7 @@ def run_update(run: Run) -> str | None:
     while not run.step.complete and reason is None:
         run.step.microbatch(run.objective, run.step_model, next(run.batches))
         run.progress.microbatches += 1
-        reason = run.clock.stop_reason(run.signals.received)
+        reason = run.clock.after_microbatch(run.signals.received, run.step.complete)  # charged, reference
     if not run.step.complete:
         run.step.discard()
         return reason
@@ -282,7 +289,7 @@ def finish(run: Run, reason: str) -> TrainResult:
     run.checkpointer.save(elapsed, run.model, run.step, run.progress)
     result = TrainResult(
         run.checkpointer.run_dir, reason, updates, run.step.stats.skipped, run.progress, elapsed,
-        run.checkpointer.elapsed_before,
+        run.checkpointer.elapsed_before, clock=run.clock.record(), wall_seconds=run.clock.wall_elapsed(),
     )  # fmt: skip
     if reason in STOP_SIGNALS:
         return result
@@ -309,4 +316,5 @@ def finish(run: Run, reason: str) -> TrainResult:
         run.metrics.write({"update": updates, **{f"val_{k}": v for k, v in result.validation.items()}})
     result.checkpoint = run.checkpointer.save_final(run.model, info)
     run_due_evaluations(run)  # the evaluations due at the end of the budget, of the final model
+    result.wall_seconds = run.clock.wall_elapsed()
     return result

@@ -76,8 +76,7 @@ class Metrics:
             "batch_size": w.rows // w.updates,
             "seq_per_s": w.rows / seconds,
             "tok_per_s": w.rows * self.seq_length / seconds,
-            "elapsed_h": clock.elapsed() / 3600,
-            "budget_fraction": clock.fraction(),
+            **clock.figures(),  # budget hours spent and the share spent (reference clock: and the wall hours)
             "skipped": skipped,
         }
         log.info(

@@ -46,17 +46,12 @@ from cramming.optim.step import TrainStep
 from cramming.ranks import Ranks
 from cramming.runs import earlier_run, newest_run_with, refuse_other_settings
 from cramming.train.batches import Progress
-from cramming.utils import (
-    atomic_file,
-    check_free_space,
-    process_alive,
-    tensor_bytes,
-)
+from cramming.utils import atomic_file, check_free_space, flatten, process_alive, tensor_bytes
 
 log = logging.getLogger("cramming")
 
-# 4: one update counter (the train step's: applied and skipped), the data position alone in `progress`, and
-# the random streams (Python's and NumPy's beside torch's) in the train step's state. Version 3 states are read and upgraded (_upgrade); version
+# 4: one update counter (the train step's: applied and skipped), the data position alone in `progress`, the
+# random streams (Python's and NumPy's beside torch's) in the train step's state, and the clock. Version 3 states are read and upgraded (_upgrade); version
 # 2 had two layouts under one number, and one in version 3's layout is read as 3.
 STATE_VERSION = 4
 
@@ -73,6 +68,7 @@ class TrainingState:
     arch: dict
     data_path: str
     data: dict  # PretrainingData.identity(): the rows and token ids the run trains on
+    clock: dict  # train.clock and, on the reference clock, the costs it charges: `elapsed` is in its seconds
 
     @property
     def updates(self) -> int:
@@ -98,6 +94,7 @@ def _upgrade(state: dict, path: Path) -> dict:
         stats = {key: value for key, value in state["step"].get("stats", {}).items() if key != "applied"}
         stats["updates"] = progress.pop("updates") + stats.get("skipped", 0)
         state = {**state, "progress": progress, "step": {**state["step"], "stats": stats, "rng": rng}}
+        state["clock"] = {"clock": "wall", "costs": None}  # the only clock there was
         version = STATE_VERSION
     if version != STATE_VERSION:
         raise ConfigError(
@@ -123,9 +120,11 @@ class Checkpointer:
         arch: ArchConfig,
         every_seconds: float,
         saved: TrainingState | None = None,
+        clock: dict | None = None,
     ):
         self.run_dir, self.ranks, self.data, self.arch = run_dir, ranks, data, arch
         self.every_seconds, self.saved = every_seconds, saved
+        self.clock = clock or {"clock": "wall", "costs": None}
         self.last_save = self.elapsed_before
 
     @classmethod
@@ -142,16 +141,18 @@ class Checkpointer:
         name: str,
         steps: int | None,
         budget_hours: float,
+        clock: dict,
     ) -> Checkpointer:
         """Before anything is built: the state this run continues from (None for a fresh start), refused by
-        name when it is of other data or another model, or (resume=true) of a run that had finished."""
+        name when it is of other data, another model or another clock (`clock`: train.clock and the costs it
+        charges), or (resume=true) of a run that had finished."""
         found = find_resume_state(run_dir, resume, base_dir, name)
         saved = found[0] if found else None
         if found:
             if not found[1]:  # a requeued job that had finished only writes its final model again
                 check_unfinished(saved, steps, budget_hours, run_dir)
-            check_same_run(saved, data.identity(), asdict(arch))
-        return cls(run_dir, ranks, data, arch, every_seconds, saved)
+            check_same_run(saved, data.identity(), asdict(arch), clock)
+        return cls(run_dir, ranks, data, arch, every_seconds, saved, clock)
 
     @property
     def elapsed_before(self) -> float:
@@ -181,7 +182,7 @@ class Checkpointer:
         if self.ranks.is_main:
             state = TrainingState(
                 model_state, optimizer_state, step.state_dict(), Progress(**asdict(progress)), elapsed,
-                asdict(self.arch), str(self.data.path), self.data.identity(),
+                asdict(self.arch), str(self.data.path), self.data.identity(), self.clock,
             )  # fmt: skip
             path = self.run_dir / STATE
             save_state(path, state.to_dict())
@@ -266,10 +267,11 @@ def check_unfinished(state: TrainingState, steps: int | None, budget_hours: floa
     )
 
 
-def check_same_run(state: TrainingState, data_identity: dict, arch: dict) -> None:
-    """A resumed run continues on the rows and token ids it was trained on, with the model it trained, or not
-    at all: other ids would train the embeddings of other words (and another vocabulary size or shape fails
-    deep in load_state_dict)."""
+def check_same_run(state: TrainingState, data_identity: dict, arch: dict, clock: dict) -> None:
+    """A resumed run continues on the rows and token ids it was trained on, with the model it trained, on the
+    clock it counted its budget by, or not at all: other ids would train the embeddings of other words
+    (another vocabulary size or shape fails deep in load_state_dict), and budget seconds of another clock
+    are another budget."""
     refuse_other_settings(
         {f"data.{k}": v for k, v in state.data.items() if k in data_identity},
         {f"data.{k}": v for k, v in data_identity.items()},
@@ -282,6 +284,12 @@ def check_same_run(state: TrainingState, data_identity: dict, arch: dict) -> Non
         {f"arch.{k}": v for k, v in arch.items()},
         what="the saved run's model differs from this config's",
         fix="Resume with the saved run's settings, or start afresh with resume=false or another name",
+    )
+    refuse_other_settings(
+        flatten(state.clock),
+        flatten(clock),
+        what="the saved run counted its budget on another clock",
+        fix="Resume with its train.clock and train.calibration, or start afresh with resume=false",
     )
 
 
