@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 # CPU build by default; on a GPU machine install your CUDA build of torch first, e.g. TORCH=torch
 TORCH ?= torch==2.13.0
 
-.PHONY: install demo rehearsal test lint format
+.PHONY: install demo rehearsal test test-all lint format
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -29,7 +29,12 @@ OUT ?= outputs/rehearsal
 rehearsal: install
 	$(PY) scripts/rehearsal.py --out $(OUT)
 
+# What a newcomer needs to trust the install and the code: every test but the `slow` ones (end-to-end runs,
+# several processes, the rehearsal, the long kernel and optimizer sweeps). test-all runs those too (CI does).
 test: install
+	$(PY) -m pytest -q -m "not slow"
+
+test-all: install
 	$(PY) -m pytest -q
 
 lint: install

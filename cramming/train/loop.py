@@ -258,7 +258,7 @@ def run_update(run: Run) -> str | None:
     run.progress.rows += count * rows  # consumed, whether applied or skipped as non-finite
     update = run.step.apply()
     if update.applied:
-        run.metrics.window.add(update, count * rows)
+        run.metrics.add(update, count * rows)
     return reason
 
 
@@ -299,7 +299,7 @@ def finish(run: Run, reason: str) -> TrainResult:
         "update": updates,
         "optimizer_state_bytes": report["state_bytes"],
         "optimizer_state_ratio_to_adamw": report["ratio_to_adamw_fp32"],
-        "peak_memory_bytes": peak_memory_bytes(next(run.model.parameters()).device),
+        "peak_memory_bytes": peak_memory_bytes(run.objective.device),
     })  # fmt: skip
     train = run.cfg.train  # on every rank: FSDP2's forward is collective
     result.validation = validation_metrics(

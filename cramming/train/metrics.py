@@ -56,6 +56,10 @@ class Metrics:
         self.path, self.seq_length, self.on_record = path, seq_length, on_record
         self.window = Window()
 
+    def add(self, update: Update, rows: int) -> None:
+        """An applied update of `rows` sequences, into the figures of the next log line."""
+        self.window.add(update, rows)
+
     def restart_window(self) -> None:
         """Throughput from here: after set-up, or after an evaluation."""
         self.window = Window()
