@@ -41,10 +41,12 @@ from cramming.data import prepare_pretraining_data
 from cramming.errors import ConfigError
 from cramming.job.runcard import cpu_model, package_versions
 from cramming.model import build_model
-from cramming.optim import build_optimizer
 from cramming.optim.step import TrainStep
+from cramming.ranks import Ranks
 from cramming.train.batches import training_stream
+from cramming.train.loop import make_train_step
 from cramming.train.mlm import MLMMasker, MLMObjective
+from cramming.train.parallel import Parallel
 from cramming.utils import atomic_write_text, seed_everything
 
 log = logging.getLogger("cramming")
@@ -105,8 +107,7 @@ def set_up(overrides: list[str], config: PretrainConfig) -> Recipe:
     )
     masker = MLMMasker(train.mlm, data.vocab_size, data.special.all, data.special.mask, seed=config.seed)
     objective = MLMObjective(masker, device, masker.predicted_per_row(data.seq_length))
-    optimizer = build_optimizer(model, train.optim, max_grad_norm=train.grad_clip)
-    step = TrainStep(model, optimizer, device_type=device.type, dtype=dtype, grad_clip=train.grad_clip)
+    step = make_train_step(model, config, Parallel(Ranks(device=device)), dtype)  # the loop's, in one process
     step_model = torch.compile(model) if impl.compile_on(device) else model
     batches = training_stream(data.train, impl.microbatch_size, config.seed, 0, 0, pin_memory=False)
     recipe = Recipe(

@@ -59,6 +59,7 @@ def recipe_shape(cfg: Any, vocab_size: int, seq_length: int, world_size: int = 1
         "mlm": {"mode": cfg.train.mlm.mode, "mask_fraction": cfg.train.mlm.mask_fraction},
         "dropout": cfg.train.dropout,
         "grad_clip": cfg.train.grad_clip is not None,
+        **({"average": cfg.train.average.kind} if cfg.train.average.kind != "none" else {}),
         "optim": {key: optim[key] for key in OPTIM_WORK},
         "microbatch_size": impl.microbatch_size,
         "device": impl.device,

@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from cramming.errors import ConfigError, TrainingDiverged
+from cramming.optim.average import WeightAverage
 
 log = logging.getLogger("cramming")
 
@@ -147,16 +148,18 @@ class TrainStep:
         grad_sync: Callable[[bool], contextlib.AbstractContextManager] | None = None,
         reduce: Callable[..., list[torch.Tensor]] | None = None,
         max_skipped_in_a_row: int | None = None,
+        average: WeightAverage | None = None,
     ):
         """model: the plain module whose parameters the optimizer updates; optimizer None: forward and
         backward only (the micro-batch search measures them, and never applies). dtype: the autocast dtype
         (fp32: no autocast; fp16: with a loss scaler). grad_sync, reduce: across ranks (identity when None).
-        max_skipped_in_a_row: non-finite updates in a row that end training (TrainingDiverged); None: no limit."""
+        max_skipped_in_a_row: non-finite updates in a row that end training (TrainingDiverged); None: no limit.
+        average: a weight average moved after every applied update (cramming.optim.average)."""
         self.model, self.optimizer = model, optimizer
         self.device_type, self.dtype, self.grad_clip = device_type, dtype, grad_clip
         self.grad_sync = grad_sync or (lambda last: contextlib.nullcontext())
         self.reduce = reduce or (lambda *sums: list(sums))
-        self.max_skipped_in_a_row = max_skipped_in_a_row
+        self.max_skipped_in_a_row, self.average = max_skipped_in_a_row, average
         self.scaler = torch.amp.GradScaler(device_type, enabled=dtype == torch.float16)
         self.layerwise = bool(getattr(optimizer, "layerwise", False))
         if optimizer is not None:
@@ -251,6 +254,8 @@ class TrainStep:
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self._zero_grad()
+        if self.average is not None:
+            self.average.update()
         return True
 
     def _unscale_and_clip(self) -> torch.Tensor | None:
@@ -301,7 +306,8 @@ class TrainStep:
     def state_dict(self) -> dict:
         """The loss scaler, the counter and the random streams as they are now: between updates, where a
         resumed run continues (a discarded update has rewound them)."""
-        return {"scaler": self.scaler.state_dict(), "stats": vars(self.stats).copy(), "rng": rng_state()}
+        state = {"scaler": self.scaler.state_dict(), "stats": vars(self.stats).copy(), "rng": rng_state()}
+        return state | ({"average": self.average.state_dict()} if self.average is not None else {})
 
     def load_state_dict(self, state: dict) -> None:
         """A state saved by this version, or one of before the one counter (which counted the applied and the
@@ -309,6 +315,14 @@ class TrainStep:
         self.scaler.load_state_dict(state["scaler"])
         if "rng" in state:
             set_rng_state(state["rng"])
+        if (self.average is None) != ("average" not in state):
+            raise ConfigError(
+                "resume: the saved run " + ("averaged" if "average" in state else "did not average")
+                + " its weights and this one " + ("does not" if self.average is None else "does")
+                + ": resume with the saved run's train.average, or start afresh with resume=false"
+            )  # fmt: skip
+        if self.average is not None:
+            self.average.load_state_dict(state["average"])
         stats = dict(state.get("stats", {}))
         if "updates" not in stats:
             stats["updates"] = stats.pop("applied", 0) + stats.get("skipped", 0)

@@ -10,6 +10,7 @@ from cramming.budget import CLOCKS
 from cramming.errors import check_choice, config_error
 from cramming.impl import ImplConfig
 from cramming.model.config import ArchConfig
+from cramming.optim.average import AVERAGES
 from cramming.optim.config import OptimConfig
 from cramming.optim.schedules import LR_SCHEDULES
 
@@ -51,10 +52,27 @@ class MLMConfig:
 
 
 @dataclass
+class AverageConfig:
+    """Weight averaging (cramming.optim.average): the final model is an average of the latest weights."""
+
+    # none | ema: an exponential moving average of the weights, updated after every applied update; the final
+    # model, its validation and the evaluations at the end of the budget use it (those during training do not)
+    kind: str = "none"
+    # ema: the share of the average each update keeps (its memory: about 1 / (1 - decay) updates)
+    decay: float = 0.999
+
+    def __post_init__(self) -> None:
+        check_choice("train.average.kind", self.kind, AVERAGES)
+        if not 0.0 < self.decay < 1.0:
+            raise config_error("train.average.decay", self.decay, "use a share in (0, 1), e.g. 0.999")
+
+
+@dataclass
 class TrainConfig:
     name: str = "bert-o4"
     optim: OptimConfig = field(default_factory=OptimConfig)
     mlm: MLMConfig = field(default_factory=MLMConfig)
+    average: AverageConfig = field(default_factory=AverageConfig)
     # sequences per optimizer update, reached by accumulating micro-batches of impl.microbatch_size
     batch_size: int = 8192
     # fraction of the budget at which batch_size is reached, rising linearly from batch_size_start sequences;

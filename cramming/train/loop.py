@@ -39,6 +39,7 @@ from cramming.data import PretrainingData
 from cramming.errors import ConfigError
 from cramming.model import build_model
 from cramming.optim import LAYERWISE, build_optimizer, format_state_report, optimizer_state_report
+from cramming.optim.average import WeightAverage
 from cramming.optim.schedules import LR_SCHEDULES, accumulation_steps
 from cramming.optim.step import TrainStep
 from cramming.ranks import init_from_env
@@ -175,10 +176,17 @@ def make_train_step(
     )
     report = optimizer_state_report(optimizer)
     log.info("optimizer %s: %s", cfg.train.optim.name, format_state_report(report, parallel.ranks.world_size))
+    average = None
+    if cfg.train.average.kind == "ema":
+        if parallel.fsdp2:  # each rank would save its own shard of the average only
+            raise ConfigError(
+                "train.average=ema with impl.distributed=fsdp2 is not supported: use ddp, or none"
+            )
+        average = WeightAverage(model, cfg.train.average.decay)
     return TrainStep(
         model, optimizer, device_type=parallel.ranks.device.type, dtype=dtype, grad_clip=cfg.train.grad_clip,
         grad_sync=parallel.grad_sync, reduce=parallel.reduce_update_stats,
-        max_skipped_in_a_row=cfg.train.max_nonfinite_updates,
+        max_skipped_in_a_row=cfg.train.max_nonfinite_updates, average=average,
     )  # fmt: skip
 
 
@@ -301,6 +309,8 @@ def finish(run: Run, reason: str) -> TrainResult:
         "optimizer_state_ratio_to_adamw": report["ratio_to_adamw_fp32"],
         "peak_memory_bytes": peak_memory_bytes(run.objective.device),
     })  # fmt: skip
+    if run.step.average is not None:  # the final model is the average (the resumable state kept the weights)
+        run.step.average.copy_to_model()
     train = run.cfg.train  # on every rank: FSDP2's forward is collective
     result.validation = validation_metrics(
         run.model, run.data.validation, run.held_out, limit=train.validation_rows,
