@@ -105,7 +105,7 @@ def set_up(overrides: list[str], config: PretrainConfig) -> Recipe:
     model = build_model(
         config.arch, data.vocab_size, device=device, dropout=train.dropout, **impl.kernel_choices()
     )
-    masker = MLMMasker(train.mlm, data.vocab_size, data.special.all, data.special.mask, seed=config.seed)
+    masker = MLMMasker.for_data(train.mlm, data, config.seed)
     objective = MLMObjective(masker, device, masker.predicted_per_row(data.seq_length))
     step = make_train_step(model, config, Parallel(Ranks(device=device)), dtype)  # the loop's, in one process
     step_model = torch.compile(model) if impl.compile_on(device) else model

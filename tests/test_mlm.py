@@ -109,3 +109,94 @@ def test_a_rows_mask_depends_on_its_stream_position_and_seed_only():
     other_rows = masker(ids, positions + 64)[1]
     other_seed = MLMMasker(MLMConfig(), VOCAB, SPECIAL, MASK, seed=4)(ids, positions)[1]
     assert not torch.equal(other_rows, whole[1]) and not torch.equal(other_seed, whole[1])
+
+
+# ------------------------------------------------------------------------------------------- whole words
+
+PIECES = list(range(300, VOCAB))  # ids 300.. continue the word before them (WordPiece's ## pieces)
+
+
+def words_of(ids: torch.Tensor) -> list[list[tuple[int, int]]]:
+    """Each row's words as (first, end) spans: an ordinary token that is not a piece, or follows a special
+    token, starts one; the pieces after it belong to it."""
+    out = []
+    for row in ids.tolist():
+        spans, start = [], None
+        for i, token in enumerate(row + [0]):
+            ordinary = token not in SPECIAL
+            starts = ordinary and (token not in PIECES or start is None)
+            if start is not None and (starts or not ordinary):
+                spans.append((start, i))
+                start = None
+            if starts:
+                start = i
+        out.append(spans)
+    return out
+
+
+@pytest.mark.parametrize("mode", ["count", "probability"])
+def test_whole_words_are_chosen_with_all_their_pieces_or_not_at_all(mode):
+    ids = rows(batch=256)
+    masker = MLMMasker(
+        MLMConfig(mode=mode, whole_words=True), VOCAB, SPECIAL, MASK, seed=3, continuations=PIECES
+    )
+    _, labels = masker(ids, torch.arange(ids.shape[0]))
+    chosen = labels != IGNORE_INDEX
+    for row, spans in enumerate(words_of(ids)):
+        for first, end in spans:
+            part = chosen[row, first:end]
+            assert part.all() or not part.any(), (row, first, end, part.tolist())
+    assert not chosen[torch.isin(ids, torch.tensor(SPECIAL))].any()
+    per_row = chosen.sum(dim=1).float()
+    if mode == "count":  # at most k; short of it by less than the longest word a row has
+        longest = max(end - first for spans in words_of(ids) for first, end in spans)
+        assert per_row.max() <= 32 and per_row.min() > 32 - longest
+    else:  # about 25% of the tokens, in whole words
+        assert abs(per_row.mean().item() / 128 - 0.25 * (1 - 0.05)) < 0.03
+
+
+def test_whole_words_keep_the_row_keyed_draws_and_need_word_pieces():
+    ids = rows(batch=8)
+    masker = MLMMasker(MLMConfig(whole_words=True), VOCAB, SPECIAL, MASK, seed=1, continuations=PIECES)
+    a = masker(ids, torch.arange(8))
+    b = masker(ids[4:], torch.arange(4, 8))  # the same rows in another micro-batch: the same masks
+    assert torch.equal(a[1][4:], b[1]) and torch.equal(a[0][4:], b[0])
+    from cramming.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="whole_words"):
+        MLMMasker(MLMConfig(whole_words=True), VOCAB, SPECIAL, MASK)
+    # without whole words nothing changes: the masks of before
+    assert torch.equal(
+        mask(ids)[1],
+        MLMMasker(MLMConfig(), VOCAB, SPECIAL, MASK, continuations=PIECES)(ids, torch.arange(8))[1],
+    )
+
+
+def test_word_pieces_come_from_a_wordpiece_tokenizer_only():
+    from tokenizers import Tokenizer
+    from tokenizers.models import BPE, WordPiece
+
+    from cramming.data.tokenizer import word_continuations
+    from cramming.errors import ConfigError
+
+    vocab = {"[PAD]": 0, "[UNK]": 1, "play": 2, "##ing": 3, "##s": 4, "run": 5}
+    assert word_continuations(Tokenizer(WordPiece(vocab, unk_token="[UNK]"))) == [3, 4]
+    with pytest.raises(ConfigError, match="wordpiece"):
+        word_continuations(Tokenizer(BPE()))
+
+
+def test_the_loop_s_masker_reads_the_pieces_of_the_data_s_tokenizer():
+    from types import SimpleNamespace
+
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordPiece
+
+    from cramming.data.tokenizer import SpecialTokens
+
+    vocab = {"[PAD]": 0, "[UNK]": 1, "[CLS]": 2, "[SEP]": 3, "[MASK]": 4, "play": 5, "##ing": 6, "run": 7}
+    data = SimpleNamespace(
+        tokenizer=Tokenizer(WordPiece(vocab, unk_token="[UNK]")), vocab_size=8, special=SpecialTokens()
+    )
+    masker = MLMMasker.for_data(MLMConfig(whole_words=True), data, seed=0)
+    assert masker.continues.tolist() == [False] * 6 + [True, False]
+    assert not MLMMasker.for_data(MLMConfig(), data, seed=0).continues.any()

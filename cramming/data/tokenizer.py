@@ -6,6 +6,7 @@ the code they configure; TokenizerConfig accepts the kinds TOKENIZER_KINDS regis
 
 from __future__ import annotations
 
+import json
 import string
 import unicodedata
 from collections.abc import Callable, Iterable, Sequence
@@ -13,7 +14,7 @@ from dataclasses import dataclass
 
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
-from cramming.errors import check_choice, config_error
+from cramming.errors import ConfigError, check_choice, config_error
 
 # Trainers place special tokens first, in this order, so their ids are fixed for every tokenizer kind.
 SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
@@ -235,3 +236,16 @@ def train_tokenizer(
         special_tokens=[(cls, special.cls), (sep, special.sep)],
     )
     return tok
+
+
+def word_continuations(tokenizer: Tokenizer) -> list[int]:
+    """The ids of the tokens that continue the word before them: WordPiece's pieces with its continuing prefix
+    (`##`). Other kinds mark words otherwise (byte-level BPE, Unigram: the start of a word), and are refused."""
+    model = json.loads(tokenizer.to_str())["model"]
+    if model.get("type") != "WordPiece":
+        raise ConfigError(
+            f"whole-word masking reads word pieces from a WordPiece tokenizer; this one is {model.get('type')}:"
+            " use data.tokenizer.kind=wordpiece, or train.mlm.whole_words=false"
+        )
+    prefix = model.get("continuing_subword_prefix") or "##"
+    return sorted(i for token, i in tokenizer.get_vocab().items() if token.startswith(prefix))

@@ -27,6 +27,9 @@ class MLMConfig:
     # probability: each token independently with probability mask_fraction (original BERT, 15%)
     mode: str = "count"
     mask_fraction: float = 0.25
+    # choose whole words: all the pieces of a word or none (WordPiece's `##` pieces); count mode then fills up
+    # to round(mask_fraction * seq_length) with whole words only
+    whole_words: bool = False
     # of the chosen tokens: this share becomes [MASK], `random_fraction` a random token, the rest stay as is
     mask_token_fraction: float = 0.8
     random_fraction: float = 0.1

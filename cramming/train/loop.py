@@ -138,9 +138,8 @@ def set_up(
         torch.set_float32_matmul_precision("high")  # TF32 for any fp32 matmul left: rounding only
     kernels = cfg.impl.kernel_choices()
     model = build_model(cfg.arch, data.vocab_size, device=ranks.device, dropout=train.dropout, **kernels)
-    masker = MLMMasker(train.mlm, data.vocab_size, data.special.all, data.special.mask, seed=cfg.seed)
+    masker, held_out = (MLMMasker.for_data(train.mlm, data, seed) for seed in (cfg.seed, VALIDATION_SEED))
     objective = MLMObjective(masker, ranks.device, masker.predicted_per_row(data.seq_length))
-    held_out = MLMMasker(train.mlm, data.vocab_size, data.special.all, data.special.mask, VALIDATION_SEED)
     microbatch_size = autobatch.microbatch_size_for(
         cfg.impl.microbatch_size, model, objective, dtype, data.seq_length, base_dir=Path(cfg.base_dir),
         batch_size=train.batch_size, budget_hours=cfg.budget, world_size=ranks.world_size,

@@ -9,9 +9,14 @@ resume: there is no masking state to save.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import nn
 
+from cramming.data import PretrainingData
+from cramming.data.tokenizer import word_continuations
+from cramming.errors import ConfigError
 from cramming.model import IGNORE_INDEX
 from cramming.train.config import MLMConfig
 
@@ -43,8 +48,21 @@ def row_uniforms(seed: int, rows: torch.Tensor, seq_length: int, stream: int) ->
 
 class MLMMasker:
     def __init__(
-        self, cfg: MLMConfig, vocab_size: int, special_ids: tuple[int, ...], mask_id: int, seed: int = 0
+        self,
+        cfg: MLMConfig,
+        vocab_size: int,
+        special_ids: tuple[int, ...],
+        mask_id: int,
+        seed: int = 0,
+        continuations: Sequence[int] = (),
     ):
+        """continuations: the ids of tokens that continue the word before them (WordPiece's `##` pieces),
+        which train.mlm.whole_words needs."""
+        if cfg.whole_words and not continuations:
+            raise ConfigError(
+                "train.mlm.whole_words needs to know which tokens continue a word: a WordPiece tokenizer"
+                " (data.tokenizer.kind=wordpiece), or train.mlm.whole_words=false"
+            )
         self.cfg = cfg
         self.vocab_size = vocab_size
         self.mask_id = mask_id
@@ -52,6 +70,14 @@ class MLMMasker:
         self.special_ids = torch.tensor(sorted(set(special_ids)), dtype=torch.long)
         # random replacements are drawn from the ordinary tokens; tokenizers put the special ones first
         self.first_ordinary = max(special_ids) + 1
+        self.continues = torch.zeros(vocab_size, dtype=torch.bool)  # (vocab,): continues the word before it
+        self.continues[list(continuations)] = True
+
+    @classmethod
+    def for_data(cls, cfg: MLMConfig, data: PretrainingData, seed: int) -> MLMMasker:
+        """The masker of `cfg` for the vocabulary, special tokens and word pieces of `data`."""
+        pieces = word_continuations(data.tokenizer) if cfg.whole_words else ()
+        return cls(cfg, data.vocab_size, data.special.all, data.special.mask, seed, pieces)
 
     def num_masked(self, seq_length: int) -> int:
         """Tokens chosen per row in `count` mode."""
@@ -68,7 +94,16 @@ class MLMMasker:
         hold the original id where a token was chosen and IGNORE_INDEX elsewhere."""
         seq = input_ids.shape[1]
         maskable = ~torch.isin(input_ids, self.special_ids)  # (batch, seq)
-        chosen = self._choose(maskable, row_uniforms(self.seed, rows, seq, _CHOOSE))
+        scores = row_uniforms(self.seed, rows, seq, _CHOOSE)  # (batch, seq)
+        if self.cfg.whole_words:  # every piece of a word takes its first piece's draw
+            return self._corrupt(input_ids, rows, self._choose_words(input_ids, maskable, scores))
+        return self._corrupt(input_ids, rows, self._choose(maskable, scores))
+
+    def _corrupt(
+        self, input_ids: torch.Tensor, rows: torch.Tensor, chosen: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The chosen positions corrupted (80% [MASK] / 10% random / 10% kept) and labelled."""
+        seq = input_ids.shape[1]
         labels = torch.where(chosen, input_ids, IGNORE_INDEX)
 
         draw = row_uniforms(self.seed, rows, seq, _CORRUPT)
@@ -90,6 +125,32 @@ class MLMMasker:
         chosen = torch.zeros_like(maskable)
         chosen.scatter_(1, scores.topk(k, dim=1).indices, True)
         return chosen & maskable
+
+    def _choose_words(
+        self, input_ids: torch.Tensor, maskable: torch.Tensor, scores: torch.Tensor
+    ) -> torch.Tensor:
+        """Whole words: each word takes the draw of its first piece, and all its pieces are chosen or none.
+        probability: each word with probability mask_fraction. count: the words with the highest draws, as many
+        as fit whole in k tokens (so a row has at most k labels, often a piece or two fewer)."""
+        batch, seq = input_ids.shape
+        positions = torch.arange(seq).expand(batch, seq)  # (batch, seq)
+        after_ordinary = torch.nn.functional.pad(maskable[:, :-1], (1, 0), value=False)
+        # a word starts at an ordinary token that does not continue one (or follows no ordinary token)
+        starts = maskable & (~self.continues[input_ids] | ~after_ordinary)
+        start_of = torch.cummax(
+            torch.where(starts, positions, 0), dim=1
+        ).values  # (batch, seq): its word's start
+        draws = scores.gather(1, start_of)
+        if self.cfg.mode == "probability":
+            return maskable & (draws < self.cfg.mask_fraction)
+        k = self.num_masked(seq)
+        # words by their draw, best first, each word's pieces together and in order (a stable sort)
+        order = draws.masked_fill(~maskable, -1.0).argsort(dim=1, descending=True, stable=True)
+        rank = torch.empty_like(order).scatter_(1, order, positions)  # (batch, seq): place in that order
+        last = torch.full_like(rank, -1).scatter_reduce(  # per word (at its start): its last piece's place
+            1, start_of, rank.masked_fill(~maskable, -1), reduce="amax", include_self=True
+        )
+        return maskable & (last.gather(1, start_of) < k)
 
 
 class MLMObjective:
