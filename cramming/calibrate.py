@@ -13,8 +13,10 @@ round, so a change in the machine's speed touches them alike. The medians are wh
 charges; the spread (min, max) is written beside them. Set-up: what the first update took beyond a steady one,
 plus building the model and optimizer (and compiling it, with impl.compile).
 
-The file (train.calibration of the first recipe, or --out) gains one entry per recipe shape; an entry already
-there is measured anew. A file is one machine's: one measured on another machine is refused (name another).
+The file (train.calibration of the first recipe, or --out) gains one entry per new recipe shape. An entry already
+there is kept, since runs were charged its costs and must stay comparable: its recipe is measured again beside
+the new ones and the ratio printed (how this machine's speed now compares with when the entry was made), and
+--remeasure replaces it. A file is one machine's: one measured on another machine is refused (name another).
 Run it alone on the machine, as a wall-clock measurement should be.
 """
 
@@ -190,8 +192,9 @@ def same_machine(saved: dict, here: dict) -> bool:
     return all(saved.get(key) == here.get(key) for key in ("cpu", "cpu_flags", "cpu_count", "gpu"))
 
 
-def write(path: Path, entries: dict[str, dict]) -> None:
-    """Merge `entries` into the calibration file at `path` (made if absent), refusing another machine's."""
+def write(path: Path, entries: dict[str, dict], remeasure: bool = False) -> dict[str, dict]:
+    """Merge `entries` into the calibration file at `path` (made if absent), refusing another machine's; the
+    entries already there are kept unless `remeasure`. Returns the entries kept as they were."""
     here = machine()
     saved = calibration.read_calibration(path) if path.exists() else None
     if saved is not None and not same_machine(saved.get("machine", {}), here):
@@ -202,14 +205,16 @@ def write(path: Path, entries: dict[str, dict]) -> None:
             " train.calibration=<that file>"
         )
     kept = saved["entries"] if saved else {}
+    unchanged = {} if remeasure else {key: kept[key] for key in entries if key in kept}
     document = {
         "format": calibration.FORMAT,
-        "machine": here,
+        "machine": saved["machine"] if saved and not remeasure else here,
         "charges": calibration.CHARGES,
         "not_charged": list(calibration.NOT_CHARGED),
-        "entries": {**kept, **entries},
+        "entries": {**kept, **entries, **unchanged},
     }
     atomic_write_text(path, json.dumps(document, indent=1, sort_keys=True) + "\n")
+    return unchanged
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -226,6 +231,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--microbatches", type=int, default=4, help="micro-batches per timed update (default 4)"
     )
     parser.add_argument("--warmup", type=int, default=2, help="untimed updates after set-up (default 2)")
+    parser.add_argument("--remeasure", action="store_true", help="replace the entries the file has already")
     args = parser.parse_args(argv)
     if min(args.rounds, args.microbatches) < 1 or args.warmup < 0:
         parser.error("--rounds and --microbatches take a positive count, --warmup zero or more")
@@ -246,7 +252,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 one_update(recipe, args.microbatches)
         entries = {calibration.shape_key(r.shape): entry(r) for r in recipes}
         path = args.out or calibration.calibration_path(recipes[0].config.train.calibration)
-        write(path, entries)
+        unchanged = write(path, entries, args.remeasure)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -255,6 +261,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"{path}: {key} {value['described']}: micro-batch {value['microbatch_s']:.4g} s"
             f" ({value['spread']['microbatch_s'][0]:.4g}-{value['spread']['microbatch_s'][1]:.4g}), update"
             f" {value['update_s']:.4g} s, set-up {value['setup_s']:.3g} s"
+            + (
+                f"; kept its entry (micro-batch {unchanged[key]['microbatch_s']:.4g} s): now"
+                f" {value['microbatch_s'] / unchanged[key]['microbatch_s']:.3f}x of it"
+                if key in unchanged
+                else ""
+            )
         )
     return 0
 

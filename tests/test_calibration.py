@@ -181,10 +181,17 @@ def test_the_command_measures_a_recipe_and_merges_it_into_the_file(tmp_path, mon
     vocab = next(iter(saved["entries"].values()))["shape"]["vocab_size"]  # what the tokenizer made
     costs, source = calibration.reference_costs(str(out), calibration.recipe_shape(cfg, vocab, 32))
     assert costs.microbatch > 0 and source["sha256"] and source["machine"] == saved["machine"]["cpu"]
+    # measured again: the entries runs were charged stay, unless --remeasure
+    assert calibrate.main([*common, *timing]) == 0
+    assert json.loads(out.read_text()) == saved
+    assert calibrate.main([*common, *timing, "--remeasure"]) == 0
+    again = json.loads(out.read_text())["entries"]
+    assert again.keys() == saved["entries"].keys() and again != saved["entries"]
     # another machine's file is not written into
     monkeypatch.setattr(calibrate, "machine", lambda: {**saved["machine"], "cpu": "another CPU"})
+    before = out.read_text()
     assert calibrate.main([*common, *timing]) == 2
-    assert json.loads(out.read_text()) == saved
+    assert out.read_text() == before
 
 
 # ------------------------------------------------------------------------------------ the committed files
