@@ -106,8 +106,8 @@ def count_allreduces(per_microbatch: list[int]):
         return allreduce_hook(None, bucket)
 
     def make_wrap(wrap):
-        def wrapped_with_hook(*args):
-            wrapped = wrap(*args)
+        def wrapped_with_hook(*args, **kwargs):
+            wrapped = wrap(*args, **kwargs)
             if hasattr(wrapped, "register_comm_hook"):  # a layerwise optimizer reduces without DDP
                 wrapped.register_comm_hook(None, hook)
             return wrapped
