@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from conftest import data_dir
 
-from cramming.job.report import build_report
+from cramming.study.runs_report import build_report
 from cramming.job.runcard import RUN_CARD
 
 REPO = Path(__file__).resolve().parent.parent
