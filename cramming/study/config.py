@@ -3,8 +3,8 @@
 A study is data: which pretraining recipes (sets of `pretrain.py` overrides, one of them the control), at
 which budgets, with which seeds, scored by which stages. `python -m cramming.study run <study>` runs what is
 not done yet and `report` judges what the kept figures say (docs/studies.md). Every key has a default except
-`recipes` and `minutes`; `load_study` checks the file once, and a wrong key or value is refused in one line
-naming it and the fix.
+`recipes`, and `minutes` unless `points` names the runs; `load_study` checks the file once, and a wrong key
+or value is refused in one line naming it and the fix.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import yaml
 from omegaconf import MISSING, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -55,7 +56,7 @@ class StudyConfig:
     control: str | None = None
     seeds: list[int] = field(default_factory=lambda: [0])
     # budgets in minutes; 0 is no pretraining: one update at the warm-up rate (train.steps=1)
-    minutes: list[float] = MISSING
+    minutes: list[float] = field(default_factory=list)
     # the runs, when not every recipe at every budget with every seed: each names its recipe, minutes, seed
     points: list[PointConfig] = field(default_factory=list)
     # what scores each run: pretrain, floor (BLiMP of random weights of each model shape), blimp, glue1k
@@ -101,12 +102,16 @@ class StudyConfig:
             values = getattr(self, key)
             if not values or len(set(values)) != len(values) or min(values) < 0:
                 raise config_error(key, list(values), "give distinct seeds of 0 or more, e.g. [0, 1, 2]")
-        if not self.minutes or any(not math.isfinite(m) or m < 0 for m in self.minutes):
+        if (not self.minutes and not self.points) or any(not math.isfinite(m) or m < 0 for m in self.minutes):
             raise config_error(
                 "minutes", list(self.minutes), "give budgets of 0 minutes or more, e.g. [15, 60]"
             )
         for i, point in enumerate(self.points):
             check_point(f"points[{i}]", point, self.recipes)
+        labels = [label for label, *_ in self.runs()]
+        twice = sorted({label for label in labels if labels.count(label) > 1})
+        if twice:
+            raise config_error("points", twice, "give each run a label of its own (`label:`)")
         for stage in self.stages:
             if stage not in STAGES:
                 raise config_error("stages", list(self.stages), f"choose from: {', '.join(STAGES)}")
@@ -120,6 +125,15 @@ class StudyConfig:
     @property
     def control_recipe(self) -> str:
         return self.control or next(iter(self.recipes))
+
+    def runs(self) -> list[tuple[str, str, float, int]]:
+        """(label, recipe, minutes, seed) of each run: its `points`, or every recipe at every budget with every
+        seed; a label left out is <recipe>-<minutes>-s<seed>."""
+        if self.points:
+            chosen = [(p.label, p.recipe, p.minutes, p.seed) for p in self.points]
+        else:
+            chosen = [(None, r, m, s) for r in self.recipes for m in self.minutes for s in self.seeds]
+        return [(label or f"{r}-{m:g}-s{s}", r, m, s) for label, r, m, s in chosen]
 
 
 def check_label(key: str, value: str) -> None:
@@ -178,9 +192,13 @@ def load_study(study: str, overrides: list[str] = ()) -> tuple[str, StudyConfig]
         merged = OmegaConf.merge(
             OmegaConf.structured(StudyConfig), OmegaConf.load(path), OmegaConf.from_dotlist(list(overrides))
         )
+        if OmegaConf.is_missing(merged, "recipes"):
+            raise ConfigError(
+                "no `recipes`: name the recipes the study compares, e.g. recipes: {baseline: []}"
+            )
         config = OmegaConf.to_object(merged)
     except ConfigError as err:
         raise ConfigError(f"{path}: {err}") from err
-    except (OmegaConfBaseException, ValueError) as err:
+    except (OmegaConfBaseException, ValueError, yaml.YAMLError) as err:
         raise ConfigError(f"{path}: {explain(err)}") from err
     return path.stem, config

@@ -8,7 +8,6 @@ from dataclasses import dataclass
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException
 
-from cramming.errors import config_error
 from cramming.study.config import StudyConfig
 
 EVAL_STAGES = ("blimp", "glue1k", "glue")
@@ -35,18 +34,7 @@ def minutes_text(minutes: float) -> str:
 
 def points(study: StudyConfig) -> list[Point]:
     """The study's runs in its order: its `points`, or every recipe at every budget with every seed."""
-    if study.points:
-        chosen = [(p.recipe, p.minutes, p.seed, p.label) for p in study.points]
-    else:
-        chosen = [(r, m, s, None) for r in study.recipes for m in study.minutes for s in study.seeds]
-    out = []
-    for recipe, minutes, seed, label in chosen:
-        out.append(Point(label or f"{recipe}-{minutes_text(minutes)}-s{seed}", recipe, minutes, seed))
-    labels = [p.label for p in out]
-    twice = sorted({label for label in labels if labels.count(label) > 1})
-    if twice:
-        raise config_error("points", twice, "give each run its own label (recipe, minutes and seed differ)")
-    return out
+    return [Point(label, recipe, minutes, seed) for label, recipe, minutes, seed in study.runs()]
 
 
 def normalized(overrides: list[str]) -> list[str]:
