@@ -27,7 +27,12 @@ PRETRAIN = [
 
 def study(*args: str, **kwargs) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "cramming.study", *args], cwd=REPO, capture_output=True, text=True, timeout=900, **kwargs
+        [sys.executable, "-m", "cramming.study", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        **kwargs,
     )
 
 
@@ -44,7 +49,9 @@ def tiny_study(tmp_path_factory) -> Path:
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
     deadline = time.monotonic() + 600
-    while not any("loss" in p.read_text() for p in (folder / "outputs").glob("tiny-tiny-1/*/0/metrics.jsonl")):
+    while not any(
+        "loss" in p.read_text() for p in (folder / "outputs").glob("tiny-tiny-1/*/0/metrics.jsonl")
+    ):
         assert first.poll() is None and time.monotonic() < deadline, first.communicate()[0][-3000:]
         time.sleep(0.5)
     first.send_signal(signal.SIGTERM)

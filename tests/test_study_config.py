@@ -19,7 +19,9 @@ def study_file(tmp_path: Path, text: str) -> str:
     return str(path)
 
 
-GOOD = "recipes: {base: [arch=tiny], wide: [arch=tiny, arch.hidden_size=64]}\nminutes: [0, 1]\nseeds: [0, 1]\n"
+GOOD = (
+    "recipes: {base: [arch=tiny], wide: [arch=tiny, arch.hidden_size=64]}\nminutes: [0, 1]\nseeds: [0, 1]\n"
+)
 
 
 def test_a_study_is_every_recipe_at_every_budget_with_every_seed(tmp_path):
@@ -43,14 +45,18 @@ def test_each_stage_runs_the_entry_points_command(tmp_path):
     ]  # fmt: skip
     assert "budget=0.0166667" in plan.pretrain_overrides(study, "s", one)
     blimp = plan.eval_overrides(study, "s", "blimp", "outputs/x/0")
-    assert {"eval=blimp", "blimp.pairs_per_paradigm=5", "checkpoint=outputs/x/0", "name=s-blimp"} <= set(blimp)
+    assert {"eval=blimp", "blimp.pairs_per_paradigm=5", "checkpoint=outputs/x/0", "name=s-blimp"} <= set(
+        blimp
+    )
     glue1k = plan.eval_overrides(study, "s", "glue1k", "c")
     assert {"eval=glue-small", "eval.glue_dir=data/glue", "eval.max_train_examples=1000"} <= set(glue1k)
 
 
 def test_commands_are_the_same_as_hydra_writes_them_back():
     # a multirun's jobs record train.optim.lr=2e-3 as 0.002: the same command all the same
-    assert plan.normalized(["train.optim.lr=2e-3", "seed=1"]) == plan.normalized(["seed=1", "train.optim.lr=0.002"])
+    assert plan.normalized(["train.optim.lr=2e-3", "seed=1"]) == plan.normalized(
+        ["seed=1", "train.optim.lr=0.002"]
+    )
 
 
 @pytest.mark.parametrize(

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from cramming.errors import ConfigError
-from cramming.study import judge
+from cramming.study import judge, tables
 from cramming.study.__main__ import main
 from cramming.study.config import load_study
 from cramming.study.plan import Point
@@ -38,7 +38,9 @@ def test_the_budget_curves_tables_are_reproduced_from_its_kept_runs(tmp_path):
     assert len(committed) == 6  # the runs, GLUE by task, BLiMP by phenomenon of four shapes
     for table in committed:
         assert table in report, table.splitlines()[0]
-    assert (tmp_path / "curve.png").stat().st_size > 0  # drawn, its layout checked (plot_curve refuses overlaps)
+    assert (
+        tmp_path / "curve.png"
+    ).stat().st_size > 0  # drawn, its layout checked (plot_curve refuses overlaps)
     conclusion = report.split("## Conclusion")[1].split("\n## ")[0]
     # six layers at two hours, two seeds (61.2, 58.7), against the control's one run (57.2) on the same CPU
     assert re.search(r"6layers-lr2e3\*\* against \*\*tiny\*\* at 120 min .*BLiMP 59.9 \(58.7–61.2\) against 57.2: "
@@ -52,8 +54,16 @@ def point(label: str, recipe: str, seed: int) -> Point:
 
 
 def kept(blimp: float, loss: float = 4.0) -> dict:
-    card = {"status": "ok", "metrics": {"val_loss": loss, "updates": 100}, "device": {"cpu": "X", "precision": {"dtype": "float32"}}}
-    return {"pretraining_card": card, "blimp": {"overall": blimp, "pairs_scored": 67_000}, "arch": "bert-tiny"}
+    card = {
+        "status": "ok",
+        "metrics": {"val_loss": loss, "updates": 100},
+        "device": {"cpu": "X", "precision": {"dtype": "float32"}},
+    }
+    return {
+        "pretraining_card": card,
+        "blimp": {"overall": blimp, "pairs_scored": 67_000},
+        "arch": "bert-tiny",
+    }
 
 
 def test_a_difference_is_judged_against_the_wider_spread_of_seeds():
@@ -101,3 +111,33 @@ def test_the_report_writes_no_path_of_this_machine(tmp_path):
     name, study = load_study("budget-curve", [f"out={tmp_path}"])
     text = build_report(name, study).read_text()
     assert "../shared" not in text and "/work/" not in text and str(tmp_path) not in text
+
+
+def blimp_result(overall: float, terms: dict[str, float], pairs: int = 67_000) -> dict:
+    return {"overall": overall, "per_linguistics_term": terms, "pairs_scored": pairs, "paradigms": 67}
+
+
+def test_what_rises_beyond_the_floor_first_and_what_never_does():
+    floor = {"twins": [blimp_result(50, {"a": 40 + s, "b": 50 + s}) for s in (0, 1, 2)]}
+    series = {
+        0: [blimp_result(49, {"a": 30, "b": 40})],
+        15: [blimp_result(52, {"a": 45, "b": 51}), blimp_result(53, {"a": 43, "b": 60})],  # b: not in both
+        60: [blimp_result(55, {"a": 50, "b": 49})],
+    }
+    assert tables.learned_first(series, floor) == (["a (15 min)"], ["b"])
+
+
+def test_a_blimp_subset_says_so_and_is_compared_only_with_its_own_floors_pairs():
+    subset = blimp_result(55.04, {}, pairs=13_400)
+    assert (
+        tables.blimp_cell(subset) == "55.0 (200 pairs/paradigm)"
+        and tables.blimp_cell(blimp_result(55.04, {})) == "55.0"
+    )
+    runs = {"m": {"arch": "bert-mini", "blimp": subset}}
+    assert (
+        tables.pairs_note(runs, {"twins": [subset] * 3}, "bert-mini")
+        == "the first 200 pairs of each paradigm"
+    )
+    assert tables.pairs_note(runs, {"twins": [blimp_result(50, {})]}, "bert-mini").startswith(
+        "NOT COMPARABLE"
+    )

@@ -13,7 +13,9 @@ from cramming.errors import ConfigError
 from cramming.study import kept, launch, plan, runner
 from cramming.study.config import load_study
 
-RECIPES = "recipes: {base: [arch=tiny, data=embedded], fast: [arch=tiny, data=embedded, train.optim.lr=2e-3]}\n"
+RECIPES = (
+    "recipes: {base: [arch=tiny, data=embedded], fast: [arch=tiny, data=embedded, train.optim.lr=2e-3]}\n"
+)
 
 
 @pytest.fixture
@@ -37,7 +39,9 @@ def started(monkeypatch) -> list[list[str]]:
     return calls
 
 
-def write_card(folder: Path, overrides: list[str], status: str = "ok", started: str = "00:00", ended: str = "00:10") -> Path:
+def write_card(
+    folder: Path, overrides: list[str], status: str = "ok", started: str = "00:00", ended: str = "00:10"
+) -> Path:
     folder.mkdir(parents=True)
     card = {"status": status, "job": {"overrides": overrides}, "config": {"arch": {"name": "tiny"}},
             "started": f"2026-01-01T{started}:00+00:00", "finished": f"2026-01-01T{ended}:00+00:00",
@@ -49,11 +53,15 @@ def write_card(folder: Path, overrides: list[str], status: str = "ok", started: 
 def pretraining(name, config, label: str, job: int, **card) -> Path:
     point = next(p for p in plan.points(config) if p.label == label)
     root = Path(config.base_dir) / plan.pretrain_name(name, point)
-    return write_card(root / "multirun_2026-01-01_00-00-00" / str(job), plan.pretrain_overrides(config, name, point), **card)
+    return write_card(
+        root / "multirun_2026-01-01_00-00-00" / str(job), plan.pretrain_overrides(config, name, point), **card
+    )
 
 
 def as_study(name, config) -> runner.Study:
-    return runner.Study(name, config, plan.points(config), Path(config.keep), runner.compose_recipes(name, config))
+    return runner.Study(
+        name, config, plan.points(config), Path(config.keep), runner.compose_recipes(name, config)
+    )
 
 
 def test_a_stage_is_done_when_a_card_of_the_same_command_says_ok(study):
@@ -85,7 +93,9 @@ def test_a_stopped_run_continues_in_its_own_folder_and_the_rest_start_as_multiru
 
 
 def test_pretraining_on_the_wall_clock_runs_one_at_a_time_and_evaluations_n_at_once(study, started):
-    pytest.importorskip("hydra_plugins.hydra_joblib_launcher", reason="the cluster extra: pip install .[cluster]")
+    pytest.importorskip(
+        "hydra_plugins.hydra_joblib_launcher", reason="the cluster extra: pip install .[cluster]"
+    )
     name, config = study("parallel=2", "stages=[pretrain]")
     runner.run_study(name, config)
     assert len(started) == 2 and not any(a.startswith("hydra/launcher") for a in started[0] + started[1])
@@ -94,7 +104,11 @@ def test_pretraining_on_the_wall_clock_runs_one_at_a_time_and_evaluations_n_at_o
     folders = [pretraining(name, config, label, i) for i, label in enumerate(labels)]
     started.clear()
     runner.run_study(name, config)
-    assert len(started) == 1 and "hydra/launcher=joblib" in started[0] and "hydra.launcher.n_jobs=2" in started[0]
+    assert (
+        len(started) == 1
+        and "hydra/launcher=joblib" in started[0]
+        and "hydra.launcher.n_jobs=2" in started[0]
+    )
     assert f"checkpoint={','.join(map(str, folders))}" in started[0] and "eval=blimp" in started[0]
     recipes = as_study(name, config).recipes | {"base": runner.Recipe("reference", "tiny")}
     reference = runner.Study(name, config, [], Path(config.keep), recipes)
@@ -127,3 +141,28 @@ def test_finished_runs_are_kept_with_the_runs_that_shared_the_machine(study):
     assert record["beside"] == {"pretrain": ["base-1-s1"]}
     assert kept.read_run(Path(config.keep), "fast-1-s0")["beside"] == {"pretrain": []}
     assert not kept.run_path(Path(config.keep), "fast-1-s1").exists()  # nothing finished: nothing kept
+
+
+def test_a_failed_run_stops_the_study_non_zero(study, monkeypatch):
+    monkeypatch.setattr(launch, "call", lambda argv: 3)
+    name, config = study("stages=[pretrain]")
+    with pytest.raises(runner.StageFailed, match="exit 3"):
+        runner.run_study(name, config)
+
+
+def test_each_model_shape_gets_its_floor_from_a_run_of_its_own_shape(study, monkeypatch):
+    name, config = study("stages=[floor]", "recipes.fast=[arch=tiny,data=embedded,arch.num_layers=3]")
+    shallow = pretraining(name, config, "base-1-s1", 1)
+    deep = pretraining(name, config, "fast-1-s0", 0)
+    drawn = []
+
+    def fake_floor(checkpoint, shape, seeds, blimp_dir, pairs):
+        drawn.append((checkpoint, shape))
+        return {"arch": shape, "seeds": seeds, "twins": [], "published": {}}
+
+    monkeypatch.setattr(runner.floor, "floor", fake_floor)
+    runner.run_study(name, config)
+    assert drawn == [(shallow, "tiny"), (deep, "tiny.num_layers=3")]
+    assert set(kept.read_floors(Path(config.keep))) == {"tiny", "tiny.num_layers=3"}
+    runner.run_study(name, config)
+    assert len(drawn) == 2  # kept: not drawn again
