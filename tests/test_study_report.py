@@ -66,7 +66,7 @@ def kept(blimp: float, loss: float = 4.0) -> dict:
     }
 
 
-def test_a_difference_is_judged_against_the_wider_spread_of_seeds():
+def test_a_difference_is_judged_against_the_widest_spread_of_seeds():
     runs = {"b0": kept(55.0), "b1": kept(56.0), "n0": kept(57.5), "n1": kept(58.0)}
     plan = [point("b0", "base", 0), point("b1", "base", 1), point("n0", "new", 0), point("n1", "new", 1)]
     cells = judge.cells(plan, runs)
@@ -85,7 +85,7 @@ def test_one_run_each_is_said_to_have_no_spread_and_other_machines_are_not_compa
     runs = {"b0": kept(55.0), "n0": kept(56.0), "m0": other}
     plan = [point("b0", "base", 0), point("n0", "new", 0), point("m0", "new", 1)]
     lines, unmatched = judge.against_control(judge.cells(plan, runs), "base")
-    assert "one run each: no seed spread to judge it by" in lines[0]
+    assert "one seed per budget: no seed spread to judge it by" in lines[0]
     assert unmatched == ["new at 60 min (Y, bfloat16)"]
 
 

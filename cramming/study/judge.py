@@ -4,8 +4,10 @@ whether a difference is beyond the seeds' spread.
 Runs are grouped into cells: one recipe at one budget on one machine. Under the wall clock a minute buys
 another number of updates on another CPU (2.8-fold between two of ours), so runs of different machines are
 never averaged or compared; on the reference clock every run is charged the same costs, and the machine drops
-out. A difference is *beyond the seeds' spread* when it is larger than the wider of the two cells' spreads
-(highest minus lowest seed); with one run in each cell there is no spread to judge it by, and it says so.
+out. A difference is *beyond the seeds' spread* when it is larger than the widest spread (highest minus lowest
+seed) that either recipe showed at any budget on that machine: two seeds of one budget may land close by
+chance, and a recipe's seed noise does not change much with the budget. Where neither recipe has two seeds of
+one budget there is no spread to judge by, and the line says so.
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ import itertools
 import statistics
 from dataclasses import dataclass, field
 
-from cramming.study.figures import METRICS, card_metrics, machine, value
+from cramming.study.figures import METRICS, card_metrics, machine, shape_of, value
+from cramming.study.floor import floor_range
 from cramming.study.plan import Point
 
 
@@ -73,18 +76,28 @@ def summary(cell: Cell, metric: str, digits: int = 1) -> str:
 
 
 def verdict(difference: float, spreads: list[float | None], digits: int = 1) -> str:
-    """Whether `difference` is beyond the wider of the seeds' spreads, said as such."""
+    """Whether `difference` is beyond the widest of the seeds' spreads, said as such."""
     known = [s for s in spreads if s is not None]
     if not known:
-        return "one run each: no seed spread to judge it by"
+        return "one seed per budget: no seed spread to judge it by"
     widest = max(known)
     beyond = abs(difference) > widest
     return f"{'beyond' if beyond else 'within'} the seeds' spread ({widest:.{digits}f})"
 
 
-def compare(a: Cell, b: Cell, metric: str) -> str | None:
+def widest(all_cells: list[Cell], recipes: set[str], where: str, metric: str) -> float | None:
+    """The widest spread over seeds of any cell of `recipes` on machine `where`, at any budget."""
+    spreads = [
+        s
+        for c in all_cells
+        if c.recipe in recipes and c.machine == where and (s := c.spread(metric)) is not None
+    ]
+    return max(spreads, default=None)
+
+
+def compare(a: Cell, b: Cell, metric: str, all_cells: list[Cell]) -> str | None:
     """ "BLiMP 57.9 (57.7–58.2) against 56.5: +1.4, beyond the seeds' spread (0.5); seed by seed: s0 +1.7"
-    for cell `a` against cell `b`, or None when either lacks the figure."""
+    for cell `a` against cell `b` (of one machine), or None when either lacks the figure."""
     mean_a, mean_b = a.mean(metric), b.mean(metric)
     if mean_a is None or mean_b is None:
         return None
@@ -93,7 +106,7 @@ def compare(a: Cell, b: Cell, metric: str) -> str | None:
     digits = 2 if metric == "MLM loss" else 1
     difference = mean_a - mean_b
     text = f"{metric} {summary(a, metric, digits)} against {summary(b, metric, digits)}: {difference:+.{digits}f}, "
-    text += verdict(difference, [a.spread(metric), b.spread(metric)], digits)
+    text += verdict(difference, [widest(all_cells, {a.recipe, b.recipe}, a.machine, metric)], digits)
     ours, theirs = a.values(metric), b.values(metric)
     paired = [f"s{seed} {ours[seed] - theirs[seed]:+.{digits}f}" for seed in ours if seed in theirs]
     return text + (f"; seed by seed: {', '.join(paired)}" if paired else "")
@@ -111,7 +124,7 @@ def against_control(all_cells: list[Cell], control: str) -> tuple[list[str], lis
         if base is None:
             unmatched.append(f"{c.recipe} at {c.minutes:g} min ({c.machine})")
             continue
-        judged = [text for metric in METRICS if (text := compare(c, base, metric))]
+        judged = [text for metric in METRICS if (text := compare(c, base, metric, all_cells))]
         where = f"**{c.recipe}** against **{control}** at {c.minutes:g} min ({c.machine}, {len(c.runs)} and {len(base.runs)} runs)"
         lines.append(f"{where}: " + ("; ".join(judged) if judged else "no figure both have yet"))
     return lines, unmatched
@@ -127,7 +140,7 @@ def budget_steps(all_cells: list[Cell]) -> list[str]:
     for (recipe, where), chain in series.items():
         chain = sorted(chain, key=lambda c: c.minutes)
         for low, high in itertools.pairwise(chain):
-            judged = [text for metric in METRICS if (text := compare(high, low, metric))]
+            judged = [text for metric in METRICS if (text := compare(high, low, metric, all_cells))]
             if judged:
                 lines.append(
                     f"**{recipe}** {low.minutes:g} → {high.minutes:g} min ({where}): " + "; ".join(judged)
@@ -135,17 +148,35 @@ def budget_steps(all_cells: list[Cell]) -> list[str]:
     return lines
 
 
-def cells_table(all_cells: list[Cell]) -> str:
-    """Each recipe at each budget: the mean over seeds and their range, per figure, and the mean updates."""
-    head = ["recipe", "min", "machine", "seeds", *METRICS, "updates"]
+def measured(all_cells: list[Cell]) -> list[str]:
+    """The figures of METRICS that some run has."""
+    return [m for m in METRICS if any(c.values(m) for c in all_cells)]
+
+
+def above_floor(cell: Cell, floors: dict[str, dict]) -> str:
+    """The cell's lowest BLiMP run against the highest random draw of its shape's floor: "+2.2" above it."""
+    values = list(cell.values("BLiMP").values())
+    record = cell.runs[0][1]
+    floor = floors.get(shape_of(record)) if "arch" in record else None
+    if not values or floor is None:
+        return "–"
+    return f"{min(values) - floor_range(floor)[2]:+.1f}"
+
+
+def cells_table(all_cells: list[Cell], floors: dict[str, dict]) -> str:
+    """Each recipe at each budget: the mean over seeds and their range, per figure, how far its lowest BLiMP run
+    is above its floor's highest draw, and the mean updates."""
+    shown = measured(all_cells)
+    head = ["recipe", "min", "machine", "seeds", *shown, "BLiMP, lowest run − floor's highest", "updates"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for c in all_cells:
         seeds = ", ".join(str(p.seed) for p, _ in c.runs)
         updates = [u for _, r in c.runs if (u := card_metrics(r).get("updates")) is not None]
-        figures = [summary(c, m, 2 if m == "MLM loss" else 1) for m in METRICS]
+        figures = [summary(c, m, 2 if m == "MLM loss" else 1) for m in shown]
         mean_updates = f"{statistics.mean(updates):,.0f}" if updates else "–"
         lines.append(
-            f"| {c.recipe} | {c.minutes:g} | {c.machine} | {seeds} | {' | '.join(figures)} | {mean_updates} |"
+            f"| {c.recipe} | {c.minutes:g} | {c.machine} | {seeds} | {' | '.join(figures)} |"
+            f" {above_floor(c, floors)} | {mean_updates} |"
         )
     return "\n".join(lines)
 
@@ -153,7 +184,8 @@ def cells_table(all_cells: list[Cell]) -> str:
 def paired_table(all_cells: list[Cell], control: str) -> str:
     """Each run against the control's run of the same seed, budget and machine: the difference per figure."""
     by_key = {(c.recipe, c.minutes, c.machine): c for c in all_cells}
-    head = ["recipe", "min", "machine", "seed", *(f"{m} Δ" for m in METRICS)]
+    shown = measured(all_cells)
+    head = ["recipe", "min", "machine", "seed", *(f"{m} Δ" for m in shown)]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for c in all_cells:
         base = by_key.get((control, c.minutes, c.machine))
@@ -161,7 +193,7 @@ def paired_table(all_cells: list[Cell], control: str) -> str:
             continue
         for seed in sorted({p.seed for p, _ in c.runs} & {p.seed for p, _ in base.runs}):
             deltas = []
-            for metric in METRICS:
+            for metric in shown:
                 ours, theirs = c.values(metric).get(seed), base.values(metric).get(seed)
                 digits = 2 if metric == "MLM loss" else 1
                 deltas.append("–" if ours is None or theirs is None else f"{ours - theirs:+.{digits}f}")

@@ -14,10 +14,14 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from cramming.errors import ConfigError
-from cramming.study.config import StudyConfig
+
+if TYPE_CHECKING:  # the launch helpers import nothing heavy: scripts/rehearsal.py sets HF_*_OFFLINE after
+    from cramming.study.config import StudyConfig
 
 log = logging.getLogger("cramming")
 
@@ -127,3 +131,37 @@ class LoadSampler:
         if not inside:
             return None
         return {"mean": sum(inside) / len(inside), "max": max(inside), "samples": len(inside)}
+
+
+def run_logged(
+    argv: list[str],
+    log_path: Path,
+    until: Callable[[str], bool] | None = None,
+    stop: int = signal.SIGTERM,
+    delay: float = 0.0,
+    timeout: float = 1800.0,
+    env: dict[str, str] | None = None,
+) -> tuple[int, str, bool]:
+    """Run a command from the repository root with its output in `log_path`; with `until`, send it `stop`
+    `delay` seconds after its log first satisfies `until` (a stop in the middle of a run, the way a user's
+    Ctrl-C or a scheduler's signal lands). Returns (exit status, the log, whether the signal was sent). Raises
+    TimeoutError when it runs past `timeout` seconds (it is killed first)."""
+    deadline, signal_at, sent = time.monotonic() + timeout, None, False
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(argv, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env)
+        try:
+            while proc.poll() is None:
+                now = time.monotonic()
+                if now > deadline:
+                    raise TimeoutError(f"{shlex.join(argv[1:])}: still running after {timeout:.0f} s")
+                if until is not None and signal_at is None and until(log_path.read_text(errors="replace")):
+                    signal_at = now + delay
+                if signal_at is not None and not sent and now >= signal_at:
+                    proc.send_signal(stop)
+                    sent = True
+                time.sleep(0.02)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return proc.returncode, log_path.read_text(errors="replace"), sent

@@ -45,8 +45,8 @@ def conclusion(cells: list[judge.Cell], control: str) -> list[str]:
     return lines
 
 
-def recipes_section(cells: list[judge.Cell], control: str) -> list[str]:
-    lines = ["", "## Each recipe at each budget", "", judge.cells_table(cells), ""]
+def recipes_section(cells: list[judge.Cell], control: str, floors: dict[str, dict]) -> list[str]:
+    lines = ["", "## Each recipe at each budget", "", judge.cells_table(cells, floors), ""]
     lines.append(
         "Mean over the seeds (lowest–highest). BLiMP and GLUE in %, the MLM loss in nats on held-out rows."
         " Machine: where the runs pretrained (under the wall clock a minute buys more updates on a faster one),"
@@ -141,7 +141,12 @@ def build_report(name: str, study: StudyConfig) -> Path:
         "",
         f"{len(runs)} of the study's {len(plan)} runs are kept in {keep}.",
     ]
-    lines += ["", *conclusion(cells, control), *recipes_section(cells, control), *floors_section(floors)]
+    lines += [
+        "",
+        *conclusion(cells, control),
+        *recipes_section(cells, control, floors),
+        *floors_section(floors),
+    ]
     lines += runs_section(runs, floors, keep) + blimp_section(runs, floors, cells)
     used = {shape_of(r) for r in runs.values() if "arch" in r}
     plot = plot_curve(cells, {s: f for s, f in floors.items() if s in used}, out / PLOT)
