@@ -11,8 +11,8 @@ from pathlib import Path
 import matplotlib.image
 import pytest
 
-from cramming.study.runs_report import build_report, collect_runs
 from cramming.job.runcard import RUN_CARD, RunCard, card_status
+from cramming.study.runs_report import build_report, collect_runs
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
