@@ -76,8 +76,12 @@ class Study:
     load_every: float = 30.0  # seconds between load-average samples
     loads: dict[str, dict] = field(default_factory=dict)  # label -> the load while it pretrained
 
+    def overrides(self, point: Point) -> list[str]:
+        """The recipe's overrides with those every recipe shares: what a kept run records of its recipe."""
+        return [*self.config.pretrain, *self.config.recipes[point.recipe]]
+
     def shape(self, point: Point) -> str:
-        return shape(self.recipes[point.recipe].arch, self.config.recipes[point.recipe])
+        return shape(self.recipes[point.recipe].arch, self.overrides(point))
 
     def pretrain_overrides(self, point: Point) -> list[str]:
         return planned_pretraining(self.config, self.name, point)
@@ -194,7 +198,7 @@ def keep(study: Study, points_: list[Point]) -> None:
             if point.label in study.loads:
                 extra["load_average"] = {"pretrain": study.loads[point.label]}
         if folders:
-            kept.keep_run(study.keep, point, study.config.recipes[point.recipe], folders, extra)
+            kept.keep_run(study.keep, point, study.overrides(point), folders, extra)
 
 
 def pretraining_windows(study: Study) -> dict[str, tuple[str, str]]:
