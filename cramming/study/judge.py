@@ -125,7 +125,8 @@ def against_control(all_cells: list[Cell], control: str) -> tuple[list[str], lis
             unmatched.append(f"{c.recipe} at {c.minutes:g} min ({c.machine})")
             continue
         judged = [text for metric in METRICS if (text := compare(c, base, metric, all_cells))]
-        where = f"**{c.recipe}** against **{control}** at {c.minutes:g} min ({c.machine}, {len(c.runs)} and {len(base.runs)} runs)"
+        runs = f"{len(c.runs)} run{'s' if len(c.runs) > 1 else ''} against {len(base.runs)}"
+        where = f"**{c.recipe}** against **{control}** at {c.minutes:g} min ({c.machine}; {runs})"
         lines.append(f"{where}: " + ("; ".join(judged) if judged else "no figure both have yet"))
     return lines, unmatched
 
