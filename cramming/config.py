@@ -96,6 +96,24 @@ class PretrainConfig:
         return Path(self.base_dir) / "data"
 
 
+def arch_preset(name: str, overrides: list[str] | tuple[str, ...] = ()) -> ArchConfig:
+    """conf/arch/<name>.yaml with `key=value` overrides (`num_layers=4`), checked as a run checks its `arch`:
+    for the scripts that build a model without Hydra. Raises ConfigError naming an unknown preset, key or value."""
+    path = CONF_DIR / "arch" / f"{name}.yaml"
+    if not path.is_file():
+        known = ", ".join(sorted(p.stem for p in path.parent.glob("*.yaml")))
+        raise config_error("arch", name, f"choose one of conf/arch/: {known}")
+    try:
+        merged = OmegaConf.merge(
+            OmegaConf.structured(ArchConfig), OmegaConf.load(path), OmegaConf.from_dotlist(list(overrides))
+        )
+        return OmegaConf.to_object(merged)
+    except ConfigError:
+        raise
+    except Exception as err:  # omegaconf's refusals: an unknown key, a value of the wrong type
+        raise ConfigError(f"arch {name} with {' '.join(overrides) or 'no overrides'}: {err}") from err
+
+
 def register_configs() -> None:
     """Make the schemas known to Hydra; the YAML files in conf/ name them first in their defaults."""
     cs = ConfigStore.instance()

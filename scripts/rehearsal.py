@@ -44,13 +44,14 @@ import re
 import shlex
 import shutil
 import signal
-import subprocess
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+from cramming.job.runcard import newest_card, read_card
+from cramming.study import launch
+
 MARKER = ".rehearsal"  # in an --out folder this script made: it may empty it again
 SUMMARY = "rehearsal.json"
 
@@ -224,38 +225,17 @@ def pretrain_command(out: Path, minutes: float, threads: int) -> list[str]:
 def run_logged(
     argv: list[str], log_path: Path, until: Callable[[str], bool] | None = None, timeout: float = 1800
 ) -> tuple[int, str, bool]:
-    """Run a command with its output in `log_path`; with `until`, send SIGTERM once the log satisfies it.
-    Returns (exit status, the log, whether SIGTERM was sent)."""
-    env = os.environ | OFFLINE
-    deadline = time.monotonic() + timeout
-    sent = False
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(argv, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=env)
-        try:
-            while proc.poll() is None:
-                if time.monotonic() > deadline:
-                    raise StageFailed(f"still running after {timeout:.0f} s")
-                if until is not None and not sent and until(log_path.read_text(errors="replace")):
-                    proc.send_signal(signal.SIGTERM)
-                    sent = True
-                time.sleep(0.5)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    return proc.returncode, log_path.read_text(errors="replace"), sent
+    """The command, offline, with its output in `log_path` (launch.run_logged); SIGTERM once the log satisfies
+    `until`. Returns (exit status, the log, whether SIGTERM was sent)."""
+    return launch.run_logged(argv, log_path, until, timeout=timeout, env=os.environ | OFFLINE)
 
 
-def run_folder(text: str) -> Path:
-    """The run folder a log names: by its card (a run that ended), or by its saved state (one interrupted)."""
-    found = re.findall(r"run card: (\S+)/run_card\.json", text) or re.findall(r" to (\S+)/state\.pt", text)
-    if not found:
-        raise StageFailed("its log names no run folder")
-    return Path(found[-1])
-
-
-def read_card(run_dir: Path) -> dict:
-    return json.loads((run_dir / "run_card.json").read_text())
+def newest_run(out: Path, name: str) -> tuple[Path, dict]:
+    """(folder, run card) of the newest run of `name` under the rehearsal's runs."""
+    found = newest_card(out / "runs", name)
+    if found is None:
+        raise StageFailed(f"it left no run card under {out / 'runs' / name}")
+    return found
 
 
 def stage_pretrain(out: Path, args: argparse.Namespace, done: dict) -> dict:
@@ -267,8 +247,7 @@ def stage_pretrain(out: Path, args: argparse.Namespace, done: dict) -> dict:
         raise StageFailed(f"it ended (exit {code}) before its first update was logged")
     if code != 128 + signal.SIGTERM:
         raise StageFailed(f"stopped by SIGTERM it exited {code}, not {128 + signal.SIGTERM}")
-    run_dir = run_folder(text)
-    card = read_card(run_dir)
+    run_dir, card = newest_run(out, "rehearsal")
     if card["status"] != "interrupted" or not (run_dir / "state.pt").is_file():
         raise StageFailed(
             f"card status {card['status']!r}; state.pt saved: {(run_dir / 'state.pt').is_file()}"
@@ -301,8 +280,7 @@ def stage_resume(out: Path, args: argparse.Namespace, done: dict) -> dict:
         raise StageFailed(f"exit {code}")
     if f"resuming from {first['run_dir']}/state.pt" not in text:
         raise StageFailed(f"it did not resume from {first['run_dir']}/state.pt")
-    run_dir = run_folder(text)
-    card = read_card(run_dir)
+    run_dir, card = newest_run(out, "rehearsal")
     metrics = card["metrics"]
     if card["status"] != "ok" or metrics.get("stop_reason") != "budget":
         raise StageFailed(f"card status {card['status']!r}, stop reason {metrics.get('stop_reason')!r}")
@@ -335,9 +313,8 @@ def stage_glue(out: Path, args: argparse.Namespace, done: dict) -> dict:
     code, text, _ = run_logged(command, out / "logs" / "glue.log")
     if code != 0:
         raise StageFailed(f"exit {code}")
-    eval_dir = run_folder(text)
+    eval_dir, card = newest_run(out, "glue")
     results = json.loads((eval_dir / "glue_results.json").read_text())
-    card = read_card(eval_dir)
     scores = {entry: round(100 * score["median"], 1) for entry, score in results["scores"].items()}
     return {
         "eval_dir": str(eval_dir),
@@ -391,6 +368,8 @@ def stage_card(out: Path, args: argparse.Namespace, done: dict) -> dict:
     facts = {}
     for part in ("pretrain", "resume"):
         card = read_card(Path(done[part]["run_dir"]))
+        if card is None:
+            raise StageFailed(f"no run card in {done[part]['run_dir']}")
         config, train = card["config"], card["config"]["train"]
         seen = {
             "data": config["data"]["name"],

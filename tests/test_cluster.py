@@ -18,9 +18,9 @@ import torch
 from conftest import data_dir
 
 from cramming.job.cluster import SUBMITIT_ENV, hand_back_to_launcher, job_minutes
-from cramming.job.report import build_report
 from cramming.job.runcard import RUN_CARD
 from cramming.model.checkpoint import load_pretrained
+from cramming.study.runs_report import build_report
 from cramming.train import state as train_state
 
 REPO = Path(__file__).resolve().parent.parent

@@ -10,7 +10,7 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from omegaconf.errors import ConfigKeyError, ValidationError
 
-from cramming.config import CONF_DIR, PretrainConfig, register_configs, validate
+from cramming.config import CONF_DIR, PretrainConfig, arch_preset, register_configs, validate
 from cramming.errors import ConfigError
 
 register_configs()
@@ -180,3 +180,12 @@ def test_no_script_or_entry_point_names_a_machines_folder():
 def test_the_absolute_path_check_can_fail(value, absolute):
     assert bool(MACHINE_PATH.match(value)) == absolute
     assert bool(MACHINE_PATH_IN_TEXT.search(f"files: {value}")) == (absolute and not value.startswith("C:"))
+
+
+def test_an_arch_preset_is_read_with_overrides_and_checked_like_a_runs():
+    arch = arch_preset("bert-tiny", ["num_layers=4", "attention_bias=alibi"])
+    assert arch.name == "bert-tiny" and arch.num_layers == 4 and arch.attention_bias == "alibi"
+    with pytest.raises(ConfigError, match="num_layer"):
+        arch_preset("bert-tiny", ["num_layer=4"])
+    with pytest.raises(ConfigError, match="bert-tiny"):  # the presets there are named
+        arch_preset("bert-tinny")

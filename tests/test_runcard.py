@@ -4,6 +4,7 @@ the paused budget clock and the TensorBoard hook that go with them."""
 from __future__ import annotations
 
 import json
+import socket
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,17 @@ from omegaconf import DictConfig, open_dict
 from cramming.budget import BudgetClock
 from cramming.config import register_configs
 from cramming.errors import ConfigError
-from cramming.job.runcard import RUN_CARD, JobFailed, RunCard, git_state, run_job, split_training_time
+from cramming.job import runcard
+from cramming.job.runcard import (
+    RUN_CARD,
+    JobFailed,
+    RunCard,
+    cards_under,
+    git_state,
+    newest_card,
+    run_job,
+    split_training_time,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -165,3 +176,24 @@ def test_configuration_errors_met_by_hydra_exit_2_before_any_folder(tmp_path, ov
     assert done.returncode == 2, output[-2000:]
     assert message in output and "Traceback" not in output
     assert list(tmp_path.iterdir()) == []  # neither base_dir nor ../escape was made
+
+
+def test_cards_are_read_from_single_runs_and_multirun_jobs_alike(tmp_path):
+    def card(folder: Path, started: str, **extra) -> Path:
+        folder.mkdir(parents=True)
+        (folder / RUN_CARD).write_text(json.dumps({"status": "ok", "started": started, **extra}))
+        return folder
+
+    single = card(tmp_path / "name" / "2026-01-01_00-00-00", "2026-01-01T00:00:00+00:00")
+    job = card(tmp_path / "name" / "multirun_2026-01-01_00-00-05" / "1", "2026-01-01T00:00:05+00:00")
+    # a `running` card whose process is gone on this host reads killed
+    gone = card(tmp_path / "name" / "2026-01-01_00-00-09", "2026-01-01T00:00:09+00:00", status="running",
+                process={"pid": 2**22 + 12345, "host": socket.gethostname()})  # fmt: skip
+    (tmp_path / "name" / "2026-01-01_00-00-10").mkdir()
+    (tmp_path / "name" / "2026-01-01_00-00-10" / RUN_CARD).write_text('{"status": "ok", ')  # cut short
+    assert [folder for folder, _ in cards_under(tmp_path / "name")] == [single, job, gone]
+    assert runcard.read_card(gone)["status"] == "killed"
+    assert runcard.read_card(tmp_path / "name" / "2026-01-01_00-00-10") is None
+    (tmp_path / "name" / "2026-01-01_00-00-10" / RUN_CARD).unlink()
+    # single runs only: a multirun's jobs sit one level deeper
+    assert newest_card(tmp_path, "name")[0] == gone and newest_card(tmp_path, "other") is None

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from conftest import data_dir
 
-from cramming.job.report import build_report
 from cramming.job.runcard import RUN_CARD
+from cramming.study.runs_report import build_report
 
 REPO = Path(__file__).resolve().parent.parent
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"

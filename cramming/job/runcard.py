@@ -43,6 +43,7 @@ from omegaconf.errors import OmegaConfBaseException
 from cramming.errors import ConfigError, WriteFailed, stops_unwrapped
 from cramming.impl import DEVICES, DTYPES, ImplConfig, cpu_bf16_support
 from cramming.job import commandline, exits
+from cramming.runs import newest_run_dir
 from cramming.utils import atomic_write_text, process_alive, process_rank
 
 log = logging.getLogger("cramming")
@@ -309,6 +310,39 @@ def card_status(card: dict, now: dt.datetime | None = None) -> str:
     except (KeyError, TypeError, ValueError):  # a card without a pid: what it says stands
         return status
     return status if process_alive(pid) else "killed"
+
+
+# ---------------------------------------------------------------------------------------------- reading cards
+
+
+def read_card(run_dir: str | Path) -> dict | None:
+    """The run card of a run folder as a reader should see it (its status by card_status: a `running` card
+    whose process is gone reads `killed`), or None when the folder has none. A card cut short by a full disk
+    reads as None too: the run it describes cannot be told apart from one that never wrote it."""
+    path = Path(run_dir) / RUN_CARD
+    try:
+        card = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    return card | {"status": card_status(card)}
+
+
+def cards_under(folder: str | Path) -> list[tuple[Path, dict]]:
+    """(run folder, card) of every run under `folder`: single runs (<name>/<stamp>) and the jobs of multiruns
+    (<name>/multirun_<stamp>/<n>), oldest first."""
+    found = []
+    for path in sorted(Path(folder).rglob(RUN_CARD)):
+        card = read_card(path.parent)
+        if card is not None:
+            found.append((path.parent, card))
+    return sorted(found, key=lambda item: (item[1].get("started") or "", str(item[0])))
+
+
+def newest_card(base_dir: str | Path, name: str) -> tuple[Path, dict] | None:
+    """(folder, card) of the newest single run named `name` under `base_dir` that wrote a card, or None."""
+    folder = newest_run_dir(base_dir, name, RUN_CARD)
+    card = None if folder is None else read_card(folder)
+    return None if card is None else (folder, card)
 
 
 # ------------------------------------------------------------------------------------------- running a job

@@ -7,7 +7,6 @@ sweep (see cramming.job.runcard.run_job); this callback makes sure the failure i
 
 from __future__ import annotations
 
-import json
 import logging
 import sys
 from pathlib import Path
@@ -16,7 +15,7 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
-from cramming.job.runcard import RUN_CARD
+from cramming.job.runcard import cards_under
 from cramming.trackers.sweep import close_sweep, open_sweep
 
 log = logging.getLogger("cramming")
@@ -24,7 +23,7 @@ log = logging.getLogger("cramming")
 
 def sweep_cards(sweep_dir: str | Path) -> list[dict]:
     """The run cards of a sweep's jobs, in job order."""
-    cards = [json.loads(p.read_text()) for p in Path(sweep_dir).glob(f"*/{RUN_CARD}")]
+    cards = [card for _, card in cards_under(sweep_dir)]
     return sorted(cards, key=lambda card: card["job"].get("num") or 0)
 
 

@@ -38,8 +38,9 @@ def child(args: argparse.Namespace) -> dict:
     import torch
 
     # bench_pretrain sits beside this file, first on sys.path when it runs as a script
-    from bench_pretrain import MASK_ID, SPECIAL, load_arch
+    from bench_pretrain import MASK_ID, SPECIAL
 
+    from cramming.config import arch_preset
     from cramming.impl import ImplConfig, keep_freed_memory
     from cramming.model import build_model
     from cramming.optim import OptimConfig, build_optimizer
@@ -50,7 +51,7 @@ def child(args: argparse.Namespace) -> dict:
     if args.child == "kept" and not keep_freed_memory()[0]:
         raise SystemExit("impl.keep_freed_memory does not apply here (not glibc): nothing to compare")
     torch.set_num_threads(args.threads)
-    arch = load_arch(args.arch, args.set)
+    arch = arch_preset(args.arch, args.set)
     device = torch.device("cpu")
     dtype = ImplConfig(device="cpu").compute_dtype(device)
     torch.manual_seed(0)

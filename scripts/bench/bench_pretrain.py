@@ -47,13 +47,13 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
 import torch
-import yaml
 
+from cramming.config import arch_preset
 from cramming.impl import ImplConfig, cpu_bf16_support
 from cramming.model import ArchConfig, build_model, count_parameters
 from cramming.model.flops import forward_flops_per_token, train_flops_per_token
@@ -69,18 +69,6 @@ REPO = Path(__file__).resolve().parents[2]
 SPECIAL = (0, 1, 2, 3, 4)  # [PAD] [UNK] [CLS] [SEP] [MASK], as every tokenizer of the pipeline places them
 MASK_ID = 4
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def load_arch(name: str, overrides: list[str]) -> ArchConfig:
-    """conf/arch/<name>.yaml with key=value overrides, read with plain YAML (no Hydra needed)."""
-    values = yaml.safe_load((REPO / "conf" / "arch" / f"{name}.yaml").read_text())
-    types = {f.name: f.type for f in fields(ArchConfig)}
-    for item in overrides:
-        key, _, value = item.partition("=")
-        if key not in types:
-            raise SystemExit(f"--set {item}: ArchConfig has no field {key!r}")
-        values[key] = yaml.safe_load(value)
-    return ArchConfig(**values)
 
 
 def closest_hf_shape(arch: ArchConfig) -> ArchConfig:
@@ -315,7 +303,7 @@ def probe_memory(args: argparse.Namespace) -> None:
     kind, _, precision = args.probe.partition(":")
     device, dtype = torch.device("cpu"), DTYPES[precision]
     rows, vocab, _ = load_rows(args)
-    arch = load_arch(args.arch, args.set)
+    arch = arch_preset(args.arch, args.set)
     base = memory_status("VmRSS")
     Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current resident size
     candidate = BUILDERS[kind](arch, vocab, args, device, dtype)
@@ -404,7 +392,7 @@ def profile_ours(candidates: list[Candidate], batches, masker, device, steps: in
 def measure(args: argparse.Namespace) -> dict:
     device = torch.device(args.device)
     rows, vocab, rows_note = load_rows(args)
-    arch = load_arch(args.arch, args.set)
+    arch = arch_preset(args.arch, args.set)
     candidates = build_candidates(arch, vocab, args, device)
     masker = MLMMasker(MLMConfig(), vocab, SPECIAL, MASK_ID)
     batches = iter(
@@ -563,7 +551,7 @@ def autobatch_report(args: argparse.Namespace) -> str:
     from cramming.train import autobatch
 
     device, dtype = torch.device(args.device), DTYPES[precisions(args)[0]]
-    arch = load_arch(args.arch, args.set)
+    arch = arch_preset(args.arch, args.set)
     model = build_model(
         arch, args.vocab, device=device, attention=args.attention, layernorm=args.layernorm, dropout=0.0
     )

@@ -26,24 +26,16 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from omegaconf import OmegaConf
 
+from cramming.config import arch_preset
 from cramming.impl import PARALLEL_MODES, ImplConfig
-from cramming.model import ArchConfig, build_model
+from cramming.model import build_model
 from cramming.optim import OptimConfig, build_optimizer
 from cramming.optim.step import TrainStep
 from cramming.ranks import init_from_env, shutdown
 from cramming.train.config import MLMConfig
 from cramming.train.mlm import MLMMasker, MLMObjective
 from cramming.train.parallel import Parallel
-
-CONF = Path(__file__).resolve().parents[2] / "conf" / "arch"
-
-
-def load_arch(name: str) -> ArchConfig:
-    return OmegaConf.to_object(
-        OmegaConf.merge(OmegaConf.structured(ArchConfig), OmegaConf.load(CONF / f"{name}.yaml"))
-    )
 
 
 def time_updates(args: argparse.Namespace) -> dict:
@@ -52,7 +44,7 @@ def time_updates(args: argparse.Namespace) -> dict:
     device = ranks.device
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     torch.manual_seed(0)  # the same initial weights on every rank
-    model = build_model(load_arch(args.arch), args.vocab, device=device, dropout=0.0)
+    model = build_model(arch_preset(args.arch), args.vocab, device=device, dropout=0.0)
     model = parallel.shard(model, dtype)
     step_model = parallel.wrap(model)
     optimizer = build_optimizer(model, OptimConfig())

@@ -14,20 +14,18 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import json
-import os
 import random
 import re
 import signal
-import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from cramming.job.runcard import newest_card, read_card
 from cramming.model.checkpoint import load_pretrained
+from cramming.study import launch
 from cramming.train import state as train_state
 
 REPO = Path(__file__).resolve().parents[2]
@@ -58,38 +56,16 @@ class Segment:
     log: str
 
 
-def wait_for(log_path: Path, text: str, proc: subprocess.Popen, timeout: float = 300.0) -> bool:
-    """Until `text` appears in the log (True) or the process ends (False)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if text in log_path.read_text(errors="replace"):
-            return True
-        if proc.poll() is not None:
-            return text in log_path.read_text(errors="replace")
-        time.sleep(0.02)
-    raise TimeoutError(f"{text!r} did not appear in {log_path}")
-
-
 def run_segment(args: list[str], log_path: Path, kind: str, after_s: float) -> Segment:
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "pretrain.py", *args], cwd=REPO, stdout=log, stderr=subprocess.STDOUT, text=True
-        )
-        started = wait_for(log_path, "training on", proc)
-        if kind != "none" and started:
-            time.sleep(after_s)
-            if proc.poll() is None:
-                os.kill(proc.pid, signal.SIGTERM if kind == "SIGTERM" else signal.SIGKILL)
-        proc.wait(timeout=600)
-    text = log_path.read_text(errors="replace")
-    found = re.search(r"run card: (\S+)/run_card.json", text) or re.search(
-        r"saved .* to (\S+)/state.pt", text
+    """pretrain.py with these overrides; `after_s` seconds into its training (SIGTERM or SIGKILL) unless `kind`
+    is none. Its run folder is the newest of its name: every segment, a resumed one too, claims its own."""
+    stop = signal.SIGTERM if kind == "SIGTERM" else signal.SIGKILL
+    started = None if kind == "none" else (lambda text: "training on" in text)
+    code, text, _ = launch.run_logged(
+        [sys.executable, "pretrain.py", *args], log_path, started, stop=stop, delay=after_s, timeout=600
     )
-    folder = Path(found.group(1)) if found else None
-    if folder is None:  # killed before it said anything about its folder: the newest folder of the name
-        folders = sorted(p for p in Path(args_value(args, "base_dir"), args_value(args, "name")).iterdir())
-        folder = folders[-1] if folders else None
-    return Segment(kind, after_s, proc.returncode, folder, text)
+    found = newest_card(args_value(args, "base_dir"), args_value(args, "name"))
+    return Segment(kind, after_s, code, None if found is None else found[0], text)
 
 
 def args_value(args: list[str], key: str) -> str:
@@ -103,10 +79,10 @@ def state_progress(run_dir: Path | None) -> train_state.TrainingState | None:
 
 def train_wall_seconds(run_dir: Path) -> float | None:
     """Wall time of train() as the run card splits it (set-up, compile, train, eval)."""
-    card_path = run_dir / "run_card.json"
-    if not card_path.exists():
+    card = read_card(run_dir)
+    if card is None:
         return None
-    seconds = json.loads(card_path.read_text()).get("seconds", {})
+    seconds = card.get("seconds", {})
     parts = [seconds.get(k) for k in ("setup", "compile", "train", "eval")]
     return sum(p for p in parts if p is not None) if any(p is not None for p in parts) else None
 

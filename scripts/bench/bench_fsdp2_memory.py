@@ -1,6 +1,6 @@
 """Optimizer state per rank under DDP and FSDP2, measured from the state tensors after one step (2 CPU ranks).
 
-    torchrun --standalone --nproc_per_node=2 scripts/studies/fsdp2_state_memory.py [--arch bert-base] [--vocab 32768]
+    torchrun --standalone --nproc_per_node=2 scripts/bench/bench_fsdp2_memory.py [--arch bert-base] [--vocab 32768]
         [--optimizers adamw adamw_8bit ...] [--modes ddp fsdp2]
 
 Builds the model of `arch` on every rank, wraps it as `impl.distributed=ddp` or shards it as

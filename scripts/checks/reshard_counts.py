@@ -1,7 +1,7 @@
 """Which parameters' optimizer states move exactly between one process and N FSDP2 ranks, and which are
 re-quantized (cramming.optim.reshard), for the real model shapes.
 
-    python scripts/studies/reshard_counts.py [arch ...]      (default: bert-tiny bert-base)
+    python scripts/checks/reshard_counts.py [arch ...]      (default: bert-tiny bert-base)
 
 For each arch and low-bit optimizer: one step of one process on random gradients gives a whole state; it is
 cut into each of N ranks' states (whole -> N: a one-process or DDP state resumed under FSDP2) and those are

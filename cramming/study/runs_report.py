@@ -1,4 +1,5 @@
-"""Result reports: the runs of folders (multiruns, or any trees of run folders) as tables and plots.
+"""Reports of folders of runs (multiruns, or any trees of run folders) as tables and plots: what ran, beside the
+study command's judgement of what it showed (cramming.study.report).
 
     python scripts/report.py outputs/cpu-tiny/multirun_2026-11-29_18-38-40 [more folders] [--out results/x]
 
@@ -25,7 +26,6 @@ from __future__ import annotations
 import argparse
 import csv
 import io
-import json
 import logging
 import os
 import statistics
@@ -38,7 +38,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from omegaconf import OmegaConf
 
-from cramming.job.runcard import RUN_CARD, card_status, read_metrics
+from cramming.job.runcard import RUN_CARD, read_card, read_metrics
 
 log = logging.getLogger("cramming")
 
@@ -98,9 +98,9 @@ def _natural(path: Path) -> list:
 
 
 def _read_card(path: Path) -> dict:
-    if (path / RUN_CARD).exists():
-        card = json.loads((path / RUN_CARD).read_text())
-        return card | {"status": card_status(card)}  # a `running` card whose process is gone: killed
+    card = read_card(path)  # a `running` card whose process is gone reads killed
+    if card is not None:
+        return card
     # a run from before run cards: what its folder tells
     hydra_dir = path / ".hydra"
     card = {"kind": "pretrain", "status": "unknown", "job": {}, "config": {}, "metrics": {}}

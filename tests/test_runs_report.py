@@ -11,8 +11,8 @@ from pathlib import Path
 import matplotlib.image
 import pytest
 
-from cramming.job.report import build_report, collect_runs
 from cramming.job.runcard import RUN_CARD, RunCard, card_status
+from cramming.study.runs_report import build_report, collect_runs
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -200,7 +200,7 @@ def _hand_started_runs(root: Path, count: int) -> None:
 
 @pytest.mark.parametrize("count", [2, 4, 13])
 def test_legends_stay_inside_the_figure_and_off_the_data(tmp_path, count):
-    from cramming.job.report import (
+    from cramming.study.runs_report import (
         collect_runs,
         layout_problems,
         plot_anytime,
@@ -224,7 +224,7 @@ def test_legends_stay_inside_the_figure_and_off_the_data(tmp_path, count):
 def test_the_layout_check_can_fail(tmp_path):
     from matplotlib.figure import Figure
 
-    from cramming.job.report import layout_problems
+    from cramming.study.runs_report import layout_problems
 
     fig = Figure(figsize=(4, 3))
     ax = fig.subplots()

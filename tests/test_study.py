@@ -1,0 +1,100 @@
+"""`python -m cramming.study` end to end on the embedded corpus (no data needed): a tiny model at 0 and 1 minute
+of budget with two seeds, stopped in the middle of its first pretraining and continued by the same command,
+then reported; with BLiMP in CRAMMING_DATA, its floor and BLiMP on two pairs of each paradigm."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import data_dir
+
+from cramming.job.runcard import cards_under
+
+REPO = Path(__file__).resolve().parent.parent
+PRETRAIN = [
+    "arch=tiny", "data=embedded", "data.seq_length=32", "impl.microbatch_size=8", "train.batch_size=16",
+    "train.batch_size_ramp=0", "impl.cpu_threads=1", "impl.num_workers=0", "train.validation_rows=16",
+    "train.log_every=5",
+]  # fmt: skip
+
+
+def study(*args: str, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "cramming.study", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        **kwargs,
+    )
+
+
+@pytest.fixture(scope="module")
+def tiny_study(tmp_path_factory) -> Path:
+    """The study, pretrained: stopped by SIGTERM once its first run has logged an update, then run again."""
+    folder = tmp_path_factory.mktemp("study")
+    (folder / "tiny.yaml").write_text(
+        f"pretrain: [{', '.join(PRETRAIN)}]\nrecipes: {{tiny: []}}\nminutes: [0, 1]\nseeds: [0, 1]\n"
+        f"stages: [pretrain]\nbase_dir: {folder / 'outputs'}\nkeep: {folder / 'runs'}\nout: {folder / 'report'}\n"
+    )
+    first = subprocess.Popen(
+        [sys.executable, "-m", "cramming.study", "run", str(folder / "tiny.yaml")], cwd=REPO,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    deadline = time.monotonic() + 600
+    while not any(
+        "loss" in p.read_text() for p in (folder / "outputs").glob("tiny-tiny-1/*/0/metrics.jsonl")
+    ):
+        assert first.poll() is None and time.monotonic() < deadline, first.communicate()[0][-3000:]
+        time.sleep(0.5)
+    first.send_signal(signal.SIGTERM)
+    out = first.communicate(timeout=300)[0]
+    assert first.returncode == 128 + signal.SIGTERM, out[-3000:]
+    return folder
+
+
+@pytest.mark.slow
+def test_a_stopped_study_continues_its_run_in_the_same_folder_and_skips_what_is_done(tiny_study):
+    (stopped, card), *_ = cards_under(tiny_study / "outputs" / "tiny-tiny-1")
+    assert card["status"] == "interrupted" and (stopped / "state.pt").is_file()
+    again = study("run", str(tiny_study / "tiny.yaml"))
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"resuming from {stopped}/state.pt" in again.stdout + again.stderr
+    cards = cards_under(tiny_study / "outputs" / "tiny-tiny-1")
+    assert [f for f, c in cards if c["status"] == "ok"][0] == stopped and len(cards) == 2  # seed 1 ran afresh
+    kept = {p.stem: json.loads(p.read_text()) for p in (tiny_study / "runs").glob("*.json")}
+    assert set(kept) == {"tiny-0-s0", "tiny-0-s1", "tiny-1-s0", "tiny-1-s1"}
+    assert all(r["pretraining_card"]["status"] == "ok" and "load_average" in r for r in kept.values())
+    assert kept["tiny-0-s0"]["pretraining_card"]["metrics"]["updates"] == 1
+    folders = {f for f, _ in cards_under(tiny_study / "outputs")}
+    third = study("run", str(tiny_study / "tiny.yaml"))
+    assert third.returncode == 0 and "nothing to do" in third.stderr
+    assert {f for f, _ in cards_under(tiny_study / "outputs")} == folders  # nothing started
+    report = study("report", str(tiny_study / "tiny.yaml"))
+    assert report.returncode == 0, report.stderr[-3000:]
+    text = (tiny_study / "report" / "report.md").read_text()
+    assert "**tiny** 0 → 1 min" in text and "the seeds' spread" in text and "tiny-1-s1" in text
+
+
+@pytest.mark.slow
+def test_the_floor_and_blimp_of_the_study(tiny_study):
+    blimp = data_dir("blimp")
+    settings = [f"blimp_dir={blimp}", "blimp_pairs=2", "stages=[floor,blimp]"]
+    done = study("run", str(tiny_study / "tiny.yaml"), *settings, env=os.environ | {"PYTHONUNBUFFERED": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    floor = json.loads((tiny_study / "runs" / "floor-tiny.json").read_text())
+    assert len(floor["twins"]) == 3 and floor["pairs_per_paradigm"] == 2
+    record = json.loads((tiny_study / "runs" / "tiny-1-s0.json").read_text())
+    assert record["blimp"]["pairs_scored"] == 2 * record["blimp"]["paradigms"]
+    report = study("report", str(tiny_study / "tiny.yaml"), *settings)
+    assert report.returncode == 0, report.stderr[-3000:]
+    text = (tiny_study / "report" / "report.md").read_text()
+    assert "BLiMP by phenomenon, tiny" in text and "floor (mean, range)" in text
+    assert (tiny_study / "report" / "curve.png").stat().st_size > 0

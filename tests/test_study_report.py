@@ -1,0 +1,143 @@
+"""cramming/study/report.py: a study's report from its kept figures alone. The budget curve's committed tables
+(results/budget-curve/README.md) come out of conf/study/budget-curve.yaml and results/budget-curve/runs/ as
+they are; a comparison says whether it is beyond the seeds' spread, and with one run each that there is none."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from cramming.errors import ConfigError
+from cramming.study import judge, tables
+from cramming.study.__main__ import main
+from cramming.study.config import load_study
+from cramming.study.plan import Point
+from cramming.study.report import build_report
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def markdown_tables(text: str) -> list[str]:
+    """Each run of consecutive lines that begin with `|`."""
+    found, current = [], []
+    for line in [*text.splitlines(), ""]:
+        if line.startswith("|"):
+            current.append(line)
+        elif current:
+            found.append("\n".join(current))
+            current = []
+    return found
+
+
+def test_the_budget_curves_tables_are_reproduced_from_its_kept_runs(tmp_path):
+    name, study = load_study("budget-curve", [f"out={tmp_path}"])
+    report = build_report(name, study).read_text()
+    committed = markdown_tables((REPO / "results" / "budget-curve" / "README.md").read_text())
+    assert len(committed) == 6  # the runs, GLUE by task, BLiMP by phenomenon of four shapes
+    for table in committed:
+        assert table in report, table.splitlines()[0]
+    assert (
+        tmp_path / "curve.png"
+    ).stat().st_size > 0  # drawn, its layout checked (plot_curve refuses overlaps)
+    conclusion = report.split("## Conclusion")[1].split("\n## ")[0]
+    # six layers at two hours, two seeds (61.2, 58.7), against the control's one run (57.2) on the same CPU
+    assert re.search(r"6layers-lr2e3\*\* against \*\*tiny\*\* at 120 min .*BLiMP 59.9 \(58.7–61.2\) against 57.2: "
+                     r"\+2.7, beyond the seeds' spread \(2.5\); seed by seed: s0 \+4.0", conclusion)  # fmt: skip
+    # bert-mini scored 200 pairs a paradigm, bert-tiny all: not compared on BLiMP
+    assert "BLiMP not compared" in conclusion
+
+
+def point(label: str, recipe: str, seed: int) -> Point:
+    return Point(label, recipe, 60, seed)
+
+
+def kept(blimp: float, loss: float = 4.0) -> dict:
+    card = {
+        "status": "ok",
+        "metrics": {"val_loss": loss, "updates": 100},
+        "device": {"cpu": "X", "precision": {"dtype": "float32"}},
+    }
+    return {
+        "pretraining_card": card,
+        "blimp": {"overall": blimp, "pairs_scored": 67_000},
+        "arch": "bert-tiny",
+    }
+
+
+def test_a_difference_is_judged_against_the_widest_spread_of_seeds():
+    runs = {"b0": kept(55.0), "b1": kept(56.0), "n0": kept(57.5), "n1": kept(58.0)}
+    plan = [point("b0", "base", 0), point("b1", "base", 1), point("n0", "new", 0), point("n1", "new", 1)]
+    cells = judge.cells(plan, runs)
+    lines, unmatched = judge.against_control(cells, "base")
+    assert unmatched == [] and len(lines) == 1
+    assert "BLiMP 57.8 (57.5–58.0) against 55.5 (55.0–56.0): +2.2, beyond the seeds' spread (1.0)" in lines[0]
+    assert "seed by seed: s0 +2.5, s1 +2.0" in lines[0]
+    runs["n1"] = kept(54.0)  # now the new recipe's seeds spread wider than the difference
+    lines, _ = judge.against_control(judge.cells(plan, runs), "base")
+    assert "within the seeds' spread (3.5)" in lines[0]
+
+
+def test_one_run_each_is_said_to_have_no_spread_and_other_machines_are_not_compared():
+    other = kept(60.0)
+    other["pretraining_card"]["device"] = {"cpu": "Y", "precision": {"dtype": "bfloat16"}}
+    runs = {"b0": kept(55.0), "n0": kept(56.0), "m0": other}
+    plan = [point("b0", "base", 0), point("n0", "new", 0), point("m0", "new", 1)]
+    lines, unmatched = judge.against_control(judge.cells(plan, runs), "base")
+    assert "one seed per budget: no seed spread to judge it by" in lines[0]
+    assert unmatched == ["new at 60 min (Y, bfloat16)"]
+
+
+def test_the_paired_table_has_a_row_per_seed_both_recipes_ran():
+    runs = {"b0": kept(55.0, 4.1), "n0": kept(56.5, 4.0), "n1": kept(57.0, 3.9)}
+    plan = [point("b0", "base", 0), point("n0", "new", 0), point("n1", "new", 1)]
+    table = judge.paired_table(judge.cells(plan, runs), "base")
+    rows = table.splitlines()[2:]
+    assert len(rows) == 1 and "| new | 60 | X, float32 | 0 | +1.5 |" in rows[0] and "-0.10" in rows[0]
+
+
+def test_a_study_without_kept_figures_is_refused_naming_the_folder(tmp_path, caplog):
+    study = tmp_path / "s.yaml"
+    study.write_text(f"recipes: {{a: []}}\nminutes: [1]\nkeep: {tmp_path / 'none'}\n")
+    assert main(["report", str(study)]) == 2
+    assert "none" in caplog.text
+    (tmp_path / "none").mkdir()
+    with pytest.raises(ConfigError, match="none of the study's runs"):
+        build_report(*load_study(str(study)))
+
+
+def test_the_report_writes_no_path_of_this_machine(tmp_path):
+    name, study = load_study("budget-curve", [f"out={tmp_path}"])
+    text = build_report(name, study).read_text()
+    assert "../shared" not in text and "/work/" not in text and str(tmp_path) not in text
+
+
+def blimp_result(overall: float, terms: dict[str, float], pairs: int = 67_000) -> dict:
+    return {"overall": overall, "per_linguistics_term": terms, "pairs_scored": pairs, "paradigms": 67}
+
+
+def test_what_rises_beyond_the_floor_first_and_what_never_does():
+    floor = {"twins": [blimp_result(50, {"a": 40 + s, "b": 50 + s}) for s in (0, 1, 2)]}
+    series = {
+        0: [blimp_result(49, {"a": 30, "b": 40})],
+        15: [blimp_result(52, {"a": 45, "b": 51}), blimp_result(53, {"a": 43, "b": 60})],  # b: not in both
+        60: [blimp_result(55, {"a": 50, "b": 49})],
+    }
+    assert tables.learned_first(series, floor) == (["a (15 min)"], ["b"])
+
+
+def test_a_blimp_subset_says_so_and_is_compared_only_with_its_own_floors_pairs():
+    subset = blimp_result(55.04, {}, pairs=13_400)
+    assert (
+        tables.blimp_cell(subset) == "55.0 (200 pairs/paradigm)"
+        and tables.blimp_cell(blimp_result(55.04, {})) == "55.0"
+    )
+    runs = {"m": {"arch": "bert-mini", "blimp": subset}}
+    assert (
+        tables.pairs_note(runs, {"twins": [subset] * 3}, "bert-mini")
+        == "the first 200 pairs of each paradigm"
+    )
+    assert tables.pairs_note(runs, {"twins": [blimp_result(50, {})]}, "bert-mini").startswith(
+        "NOT COMPARABLE"
+    )
