@@ -98,3 +98,34 @@ def test_the_floor_and_blimp_of_the_study(tiny_study):
     text = (tiny_study / "report" / "report.md").read_text()
     assert "BLiMP by phenomenon, tiny" in text and "floor (mean, range)" in text
     assert (tiny_study / "report" / "curve.png").stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_a_study_on_the_reference_clock_runs_two_at_once_and_each_buys_the_same_updates(tmp_path):
+    """The reference clock lets runs share the machine: a one-minute study of two seeds, calibrated on this
+    machine first, pretrains both at once, and each stops after the update its calibrated costs allow."""
+    calibration = tmp_path / "calibration.json"
+    measured = subprocess.run(
+        [sys.executable, "-m", "cramming.calibrate", *PRETRAIN, f"base_dir={tmp_path / 'outputs'}",
+         "--out", str(calibration), "--rounds", "2", "--microbatches", "2", "--warmup", "0"],
+        cwd=REPO, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert measured.returncode == 0, measured.stderr[-3000:]
+    pretrain = [*PRETRAIN, "train.clock=reference", f"train.calibration={calibration}"]
+    (tmp_path / "reference.yaml").write_text(
+        f"pretrain: [{', '.join(pretrain)}]\nrecipes: {{tiny: []}}\nminutes: [1]\nseeds: [0, 1]\nparallel: 2\n"
+        f"stages: [pretrain]\nbase_dir: {tmp_path / 'outputs'}\nkeep: {tmp_path / 'runs'}\n"
+        f"out: {tmp_path / 'report'}\n"
+    )
+    done = study("run", str(tmp_path / "reference.yaml"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    cards = [card for _, card in cards_under(tmp_path / "outputs" / "reference-tiny-1")]
+    assert len(cards) == 2 and all(card["status"] == "ok" for card in cards)
+    clocks = [card["metrics"]["clock"] for card in cards]
+    assert all(c["clock"] == "reference" and c["calibration"] == str(calibration) for c in clocks)
+    assert cards[0]["metrics"]["updates"] == cards[1]["metrics"]["updates"] > 0  # the costs alone decide
+    assert cards[0]["metrics"]["budget_hours_spent"] == cards[1]["metrics"]["budget_hours_spent"]
+    (first, last) = sorted(cards, key=lambda card: card["started"])
+    assert last["started"] < first["finished"]  # they ran at once
+    report = study("report", str(tmp_path / "reference.yaml"))
+    assert report.returncode == 0 and "reference clock" in (tmp_path / "report" / "report.md").read_text()
