@@ -94,7 +94,8 @@ class TrainConfig:
     lr_schedule: str = "budget-triangle2"
     # fraction of the schedule's clock spent warming up; null: the schedule's own default
     warmup: float | None = None
-    # optimizer updates to run; stops training when reached, and is the clock of the steps-* schedules
+    # optimizer updates to run, applied or skipped for a non-finite loss (one count, as fine-tuning counts);
+    # stops training when reached, and is the clock of the steps-* schedules
     steps: int | None = None
     # maximum gradient norm; null: no clipping
     grad_clip: float | None = 0.5
