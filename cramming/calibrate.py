@@ -45,7 +45,7 @@ from cramming.job.runcard import cpu_model, package_versions
 from cramming.model import build_model
 from cramming.optim.step import TrainStep
 from cramming.ranks import Ranks
-from cramming.train.batches import training_stream
+from cramming.train.batches import microbatches, numbered
 from cramming.train.loop import make_train_step
 from cramming.train.mlm import MLMMasker, MLMObjective
 from cramming.train.parallel import Parallel
@@ -111,7 +111,9 @@ def set_up(overrides: list[str], config: PretrainConfig) -> Recipe:
     objective = MLMObjective(masker, device, masker.predicted_per_row(data.seq_length))
     step = make_train_step(model, config, Parallel(Ranks(device=device)), dtype)  # the loop's, in one process
     step_model = torch.compile(model) if impl.compile_on(device) else model
-    batches = training_stream(data.train, impl.microbatch_size, config.seed, 0, 0, pin_memory=False)
+    batches = numbered(
+        microbatches(data.train, impl.microbatch_size, config.seed, 0, 0, False), 0, impl.microbatch_size
+    )
     recipe = Recipe(
         overrides, config, calibration.recipe_shape(config, data.vocab_size, data.seq_length), step, objective,
         step_model, batches, device, 0.0,

@@ -301,6 +301,11 @@ class TrainStep:
         else:
             self.model.zero_grad(set_to_none=True)
 
+    def use_average(self) -> None:
+        """The weights a run ends with: the average, when the step keeps one (the model's own otherwise)."""
+        if self.average is not None:
+            self.average.copy_to_model()
+
     # --- saved with a resumable state --------------------------------------------------------------------
 
     def state_dict(self) -> dict:

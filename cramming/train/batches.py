@@ -121,19 +121,3 @@ def numbered(
     for i, input_ids in enumerate(loader):
         first = first_stream_row(start, i, microbatch_size, rank, world_size)
         yield torch.arange(first, first + input_ids.shape[0]), input_ids
-
-
-def training_stream(
-    rows: datasets.Dataset,
-    microbatch_size: int,
-    seed: int,
-    start: int,
-    num_workers: int,
-    pin_memory: bool,
-    rank: int = 0,
-    world_size: int = 1,
-) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """This rank's training micro-batches from stream row `start` (a resumed run's data position) on, each
-    with its stream row numbers: what the loop trains on (pin_memory: for a GPU)."""
-    loader = microbatches(rows, microbatch_size, seed, start, num_workers, pin_memory, rank, world_size)
-    return numbered(loader, start, microbatch_size, rank, world_size)

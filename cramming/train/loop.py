@@ -45,7 +45,7 @@ from cramming.optim.step import TrainStep
 from cramming.ranks import init_from_env
 from cramming.signals import STOP_SIGNALS, StopSignals, catch_stop_signals
 from cramming.train import autobatch
-from cramming.train.batches import Progress, training_stream
+from cramming.train.batches import Progress, microbatches, numbered
 from cramming.train.config import PretrainRecipe
 from cramming.train.metrics import Metrics, log_set_up
 from cramming.train.mlm import MLMMasker, MLMObjective
@@ -154,10 +154,11 @@ def set_up(
     if cfg.impl.compile_on(ranks.device):
         step_model = torch.compile(step_model)  # compiles on the first micro-batches: on the budget
     metrics = Metrics(run_dir / "metrics.jsonl" if ranks.is_main else None, data.seq_length, on_record)
-    batches = training_stream(
+    loader = microbatches(
         data.train, microbatch_size, cfg.seed, progress.rows, cfg.impl.num_workers,
         pin_memory=ranks.device.type == "cuda", rank=ranks.rank, world_size=ranks.world_size,
     )  # fmt: skip
+    batches = numbered(loader, progress.rows, microbatch_size, ranks.rank, ranks.world_size)  # keyed masks
     return Run(
         cfg, data, model, step_model, step, objective, held_out, budget, checkpointer, metrics, tuple(hooks),
         batches, progress, signals, microbatch_size, ranks.world_size,
@@ -308,8 +309,7 @@ def finish(run: Run, reason: str) -> TrainResult:
         "optimizer_state_ratio_to_adamw": report["ratio_to_adamw_fp32"],
         "peak_memory_bytes": peak_memory_bytes(run.objective.device),
     })  # fmt: skip
-    if run.step.average is not None:  # the final model is the average (the resumable state kept the weights)
-        run.step.average.copy_to_model()
+    run.step.use_average()  # the final model (the resumable state above kept the weights themselves)
     train = run.cfg.train  # on every rank: FSDP2's forward is collective
     result.validation = validation_metrics(
         run.model, run.data.validation, run.held_out, limit=train.validation_rows,
