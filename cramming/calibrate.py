@@ -11,7 +11,9 @@ updates, --rounds rounds: in each, every recipe runs one update of --microbatche
 each micro-batch and each optimizer step timed alone (CUDA synchronized). The recipes take turns within a
 round, so a change in the machine's speed touches them alike. The medians are what the reference clock
 charges; the spread (min, max) is written beside them. Set-up: what the first update took beyond a steady one,
-plus building the model and optimizer (and compiling it, with impl.compile).
+plus building the model and optimizer (and compiling it, with impl.compile), measured as a first run's: after
+the process's own one-time start, and with compilation cold (no graph reused from an earlier recipe or from
+the compiler's cache on disk).
 
 The file (train.calibration of the first recipe, or --out) gains one entry per new recipe shape. An entry already
 there is kept, since runs were charged its costs and must stay comparable: its recipe is measured again beside
@@ -36,6 +38,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import torch._dynamo
+import torch._inductor.config
 
 from cramming import calibration
 from cramming.config import PretrainConfig, register_configs, validate
@@ -91,6 +95,16 @@ def synchronized(device: torch.device) -> float:
     return time.perf_counter()
 
 
+def warm_process() -> None:
+    """What a process does once, whatever it trains (thread pools, the CPU's kernels picked): done before any
+    recipe is timed, so that the first recipe's set-up is not charged for it. Compilation is made cold: no
+    compiled graph is taken from the compiler's cache on disk, so every recipe's set-up is what a first run
+    of it costs, whichever ran before."""
+    torch._inductor.config.force_disable_caches = True
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU(), torch.nn.LayerNorm(64))
+    model(torch.randn(32, 64)).sum().backward()
+
+
 def set_up(overrides: list[str], config: PretrainConfig) -> Recipe:
     """Data, model, masking, optimizer and the first update of one recipe, the set-up timed as the loop's."""
     impl, train = config.impl, config.train
@@ -100,6 +114,7 @@ def set_up(overrides: list[str], config: PretrainConfig) -> Recipe:
         )
     data = prepare_pretraining_data(config.data, config.data_cache_root, num_proc=impl.preprocessing_procs)
     device = impl.torch_device()
+    torch._dynamo.reset()  # no graph compiled for an earlier recipe of this process is reused
     start = synchronized(device)
     dtype, _ = impl.precision_choice(device)
     seed_everything(config.seed)
@@ -245,6 +260,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         recipes_overrides = [args.overrides + shlex.split(extra) for extra in (args.recipe or [""])]
+        warm_process()
         recipes = [set_up(overrides, compose(overrides)) for overrides in recipes_overrides]
         for _ in range(args.warmup):
             for recipe in recipes:

@@ -28,8 +28,8 @@ COMMAND = "python -m cramming.calibrate"
 
 # what the reference clock charges, and what it does not: written into every file
 CHARGES = {
-    "setup": "once, at a run's first start (not on a resume): the model and optimizer built, compilation, and"
-    " what the first update takes beyond a steady one",
+    "setup": "once, at a run's first start (not on a resume): the model and optimizer built, compilation (cold:"
+    " no graph from a cache), and what the first update takes beyond a steady one",
     "microbatch": "every micro-batch: masking, the copy to the device, forward and backward",
     "update": "every completed update: unscaling, clipping, the optimizer step",
 }
