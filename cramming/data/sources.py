@@ -52,11 +52,12 @@ OFFLINE_HINT = (
 class SourceConfig:
     """One raw-text source. Several sources are concatenated in the order of their names."""
 
-    kind: str = "local"  # a key of SOURCE_KINDS (below): hub, local or embedded
+    kind: str = "local"  # hub, local or embedded (the keys of SOURCE_KINDS)
     # hub: dataset path on the Hugging Face hub, e.g. "wikimedia/wikipedia"
     path: str | None = None
     # hub: subset / configuration name, e.g. "20231101.en"
     subset: str | None = None
+    # hub: the split to read
     split: str = "train"
     # hub: stream instead of downloading the whole corpus (needs max_entries to stay bounded)
     streaming: bool = False
