@@ -180,3 +180,14 @@ def test_no_script_or_entry_point_names_a_machines_folder():
 def test_the_absolute_path_check_can_fail(value, absolute):
     assert bool(MACHINE_PATH.match(value)) == absolute
     assert bool(MACHINE_PATH_IN_TEXT.search(f"files: {value}")) == (absolute and not value.startswith("C:"))
+
+
+def test_a_micro_batch_that_does_not_divide_the_batch_is_refused_naming_the_nearest_that_does():
+    from cramming.train.config import check_batch_division
+
+    with pytest.raises(ConfigError, match=r"impl.microbatch_size=128 \(the nearest that divides it\) or 64"):
+        check_batch_division(8192, 100)
+    with pytest.raises(ConfigError, match=r"impl.microbatch_size=64 \(the nearest that divides it\) or 128"):
+        check_batch_division(8192, 96)  # a tie: the smaller, which fits in less memory
+    with pytest.raises(ConfigError, match=r"impl.microbatch_size=4$"):
+        check_batch_division(4, 8)  # nothing larger divides 4

@@ -14,9 +14,12 @@ from __future__ import annotations
 try:
     import transformers
 except ImportError as err:
-    raise ImportError(
-        "cramming.hf (export to / import from Hugging Face transformers) needs the `transformers` package:"
-        " pip install 'cramming[hf]'"
+    # a ModuleNotFoundError: what cramming.job.exits maps to exit 2 with this one line (`checkpoint=hf:...`,
+    # scripts/export_hf.py), and still an ImportError for code that imports cramming.hf itself
+    raise ModuleNotFoundError(
+        "transformers is not installed: reading or writing a Hugging Face transformers folder (checkpoint=hf:<folder>,"
+        " scripts/export_hf.py) needs it. Install it with: pip install 'cramming[hf]'",
+        name="transformers",
     ) from err
 
 from cramming.model.modeling_crammed_bert import (

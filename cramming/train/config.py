@@ -149,7 +149,7 @@ def check_batch_division(batch_size: int, microbatch_size: int | str, world_size
     fits = batch_size % world_size == 0  # else no micro-batch forms it on every process alike
     where = f" on each of {world_size} processes" if world_size > 1 else ""
     hint = (
-        f"impl.microbatch_size={largest_divisor(batch_size // world_size, microbatch_size)}"
+        nearest_microbatches(batch_size // world_size, microbatch_size)
         if fits
         else "another train.batch_size"
     )
@@ -159,6 +159,17 @@ def check_batch_division(batch_size: int, microbatch_size: int | str, world_size
         f"it is not a whole number of micro-batches of impl.microbatch_size={microbatch_size}{where}, so the"
         f" run would train another batch than it records. Use a batch size divisible by {per_update}, or {hint}",
     )
+
+
+def nearest_microbatches(per_process: int, microbatch_size: int) -> str:
+    """The micro-batch sizes nearest to the one asked for that form `per_process` sequences exactly: the nearest
+    first, then the one on the other side of it (a smaller one fits in less memory)."""
+    below = largest_divisor(per_process, microbatch_size)
+    above = next((d for d in range(microbatch_size + 1, per_process + 1) if per_process % d == 0), None)
+    if above is None:
+        return f"impl.microbatch_size={below}"
+    near, other = (above, below) if above - microbatch_size < microbatch_size - below else (below, above)
+    return f"impl.microbatch_size={near} (the nearest that divides it) or {other}"
 
 
 class PretrainRecipe(Protocol):
