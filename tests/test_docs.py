@@ -228,3 +228,21 @@ def test_no_user_facing_file_names_the_data_beside_our_checkouts():
         if BESIDE_OUR_CHECKOUTS.search(line)
     ]
     assert not found, f"name data a fresh clone has (data/, made by scripts/get_data.py) instead: {found}"
+
+
+def test_no_results_page_names_the_data_beside_our_checkouts():
+    """A results page's replay lines are copied by users: they name data/... as scripts/get_data.py makes it.
+    The kept run records (results/*/runs/) may keep the paths that ran."""
+    pages = [
+        path
+        for path in sorted((REPO / "results").rglob("*.md"))
+        if "runs" not in path.relative_to(REPO).parts
+    ]
+    assert len(pages) > 20
+    found = [
+        f"{path.relative_to(REPO)}:{n}"
+        for path in pages
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if BESIDE_OUR_CHECKOUTS.search(line)
+    ]
+    assert not found, f"name data as a user makes it (data/..., scripts/get_data.py) instead: {found}"
