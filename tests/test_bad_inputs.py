@@ -456,7 +456,7 @@ def test_hf_folders_without_transformers_exit_2_naming_the_install(places, tmp_p
     from cramming.hf.export import to_transformers
 
     exported = to_transformers(Path(places["run"]), tmp_path / "hf")
-    words = ("transformers is not installed", "pip install 'cramming[hf]'")
+    words = ("transformers is not installed", "pip install -e '.[hf]'")
     cases = [
         Case("eval-hf", (EVAL, *SMALL_EVAL, f"checkpoint=hf:{exported}"), 2, words),
         Case("blimp-hf", (EVAL, *SMALL_EVAL, "eval=blimp", f"checkpoint=hf:{exported}"), 2, words),

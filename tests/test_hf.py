@@ -411,7 +411,7 @@ def test_missing_transformers_says_how_to_install(monkeypatch):
 
     monkeypatch.setitem(sys.modules, "transformers", None)  # None in sys.modules: the import fails
     monkeypatch.delitem(sys.modules, "cramming.hf")
-    with pytest.raises(ImportError, match=r"pip install 'cramming\[hf\]'"):
+    with pytest.raises(ImportError, match=r"pip install -e '\.\[hf\]'"):
         importlib.import_module("cramming.hf")
 
 

@@ -6,7 +6,7 @@ cramming/model/modeling_crammed_bert.py, copied as they are); load.py wraps any 
 `transformers` encoder folder as a fine-tuning Backbone. Importing this package registers the crammed BERT
 with the Auto* factories, so exported folders load in this process without `trust_remote_code`.
 
-`transformers` is an optional dependency: `pip install 'cramming[hf]'`.
+`transformers` is an optional dependency: `pip install -e '.[hf]'`.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ except ImportError as err:
     # scripts/export_hf.py), and still an ImportError for code that imports cramming.hf itself
     raise ModuleNotFoundError(
         "transformers is not installed: reading or writing a Hugging Face transformers folder (checkpoint=hf:<folder>,"
-        " scripts/export_hf.py) needs it. Install it with: pip install 'cramming[hf]'",
+        " scripts/export_hf.py) needs it. Install it from the project's folder: pip install -e '.[hf]'",
         name="transformers",
     ) from err
 
