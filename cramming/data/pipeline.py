@@ -50,8 +50,9 @@ STATS_FILE = "stats.json"
 BATCH = 1000
 # Documents per batch where they are tokenized and packed. What these steps hold scales with a batch's tokens
 # (a Wikipedia article has about 3,500): at 1,000 documents a batch held 0.5 GB while it was tokenized and,
-# packed 10,000 at a time, 0.7 GB, the peak of the whole pipeline; at 100 it is tens of MB, and each step is
-# as fast (results/preprocessing/scaling.md). The peak then no longer depends on the corpus's size.
+# packed 10,000 at a time, 0.7 GB, the peak of the whole pipeline; at 100 it is tens of MB, and neither step is
+# slower (results/preprocessing/: scaling-before.md, scaling.md). The peak is then the tokenizer trainer's, which
+# grows with the distinct words it trains on (data.tokenizer.max_train_entries bounds them), not the corpus.
 DOC_BATCH = 100
 # Roughly this many characters of text per preprocessing process before a second one pays off.
 CHARS_PER_PROC = 8_000_000
