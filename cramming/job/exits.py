@@ -16,8 +16,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import NoReturn
 
-import torch
-
 from cramming.errors import (
     ConfigError,
     DataSourceError,
@@ -74,13 +72,14 @@ CPU_ALLOCATOR_FAILED = "can't allocate memory"
 
 
 def out_of_memory(err: BaseException | None) -> BaseException | None:
-    """The out-of-memory error that `err` is or was caused by (a GPU's, or PyTorch's CPU allocator's), or None."""
+    """The out-of-memory error that `err` is or was caused by (a GPU's, or PyTorch's CPU allocator's), or None.
+    Only PyTorch raises them, so this module does not import it: without torch loaded there is none."""
+    torch = sys.modules.get("torch")
+    gpu = (torch.cuda.OutOfMemoryError,) if torch is not None else ()
     seen: set[int] = set()
     while isinstance(err, BaseException) and id(err) not in seen:
         seen.add(id(err))
-        if isinstance(err, torch.cuda.OutOfMemoryError) or (
-            isinstance(err, RuntimeError) and CPU_ALLOCATOR_FAILED in str(err)
-        ):
+        if isinstance(err, gpu) or (isinstance(err, RuntimeError) and CPU_ALLOCATOR_FAILED in str(err)):
             return err
         err = err.__cause__ or err.__context__
     return None
