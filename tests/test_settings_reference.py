@@ -49,9 +49,17 @@ def test_every_key_an_entry_point_composes_has_a_row(entry, page):
 
 
 def test_the_groups_and_their_defaults_are_listed(page):
-    for choice in ("arch=crammed-bert", "data=fineweb-edu", "train/optim=adamw_8bit", "eval=blimp", "sweep=demo"):
+    for choice in (
+        "arch=crammed-bert",
+        "data=fineweb-edu",
+        "train/optim=adamw_8bit",
+        "eval=blimp",
+        "sweep=demo",
+    ):
         assert f"| `{choice}` |" in page, choice
-    assert re.search(r"\| `data=wikibooks` \| yes \|", page) and re.search(r"\| `eval=glue-sane` \| yes \|", page)
+    assert re.search(r"\| `data=wikibooks` \| yes \|", page) and re.search(
+        r"\| `eval=glue-sane` \| yes \|", page
+    )
 
 
 def test_a_field_without_a_comment_is_refused():
