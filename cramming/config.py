@@ -44,6 +44,7 @@ class PretrainConfig:
     budget: float = 24.0
     # run name: outputs go to {base_dir}/{name}/{timestamp}/
     name: str = "default"
+    # seeds the model's initialization, the masking and the data order of the run
     seed: int = 0
     # preprocess the data (or find it in the cache) and exit
     dryrun: bool = False

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import stat
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 
@@ -93,3 +96,44 @@ def check_choice(key: str, value: Any, choices: Iterable[str]) -> None:
     choices = tuple(choices)
     if value not in choices:
         raise config_error(key, value, f"choose one of: {', '.join(choices)}")
+
+
+def check_readable(path: str | os.PathLike, setting: str) -> None:
+    """Raise DataSourceError when this process may not read `path` (a file, or a folder it must list) that the
+    user named through `setting` (data.sources.<name>.files, eval.glue_dir, checkpoint, ...): one line naming
+    the file, its permission, its owner and the user this runs as, where otherwise a PermissionError would end
+    the job in a traceback somewhere inside a library. A path that is not there passes: its reader says so."""
+    path = Path(path)
+    try:
+        if path.is_dir():
+            with os.scandir(path):
+                pass
+        elif path.exists():
+            with open(path, "rb"):
+                pass
+    except PermissionError as err:
+        raise DataSourceError(permission_message(path, setting)) from err
+
+
+def permission_message(path: Path, setting: str) -> str:
+    """What check_readable says: the path, why it cannot be read, and the two fixes."""
+    try:
+        info = path.stat()
+        folder = stat.S_ISDIR(info.st_mode)
+        held = f"its permission is {stat.filemode(info.st_mode)}, owner {_user(info.st_uid)}"
+    except PermissionError:  # a folder above it may not be entered
+        folder, held = False, "a folder above it may not be entered"
+    needed = "read and list (chmod a+rx)" if folder else "read (chmod a+r)"
+    return (
+        f"{'folder' if folder else 'file'} {path} cannot be read: permission denied ({held}; this runs as"
+        f" {_user(os.geteuid())}). Give this user permission to {needed}, or point {setting} at a copy it can read"
+    )
+
+
+def _user(uid: int) -> str:
+    try:
+        import pwd
+
+        return f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
+    except (ImportError, KeyError):  # no pwd module (Windows) or a uid without a name
+        return f"uid {uid}"

@@ -29,15 +29,20 @@ PARALLEL_MODES = ("ddp", "fsdp2")
 
 @dataclass
 class ImplConfig:
+    """The `impl` group: device, precision, compilation, kernels, micro-batch and workers; speed only."""
+
     # auto: cuda when available, else cpu; "cuda:1" picks a GPU
     device: str = "auto"
     # auto: bf16 on GPUs that support it, else fp16 with a loss scaler; on CPU bf16 where the CPU computes it
     # natively (AVX-512 BF16 or AMX, see cpu_bf16_support), else fp32. fp32 master weights, optimizer and loss
     precision: str = "auto"
     # torch.compile the model: true, false, or auto (on for CUDA, off on CPU); compile time counts against
-    # the budget. Typed Any so it takes a bool or "auto" (OmegaConf has no unions); checked below
+    # the budget. (Typed Any to take a bool or the word auto: OmegaConf has no unions; __post_init__ checks it)
     compile: Any = "auto"
+    # the attention kernel: sdpa (PyTorch's scaled_dot_product_attention), eager (the plain formula, the
+    # reference), or triton (the fused kernel of cramming.kernels; ALiBi inside it)
     attention: str = "sdpa"
+    # the LayerNorm: torch, or triton (the fused kernel of cramming.kernels)
     layernorm: str = "torch"
     # the gated FFN's gate * gelu(value) (arch.ffn=glu only): PyTorch, or one fused Triton kernel each way
     ffn_activation: str = "torch"
@@ -48,8 +53,7 @@ class ImplConfig:
     # sequences per forward/backward pass; the recipe's batch size is reached by accumulation. auto: searched
     # at start-up for the most tokens/s that fits, on the budget's clock, cached per device and model shape
     # in {base_dir}/autobatch.json (cramming.train.autobatch); set-up uses the number chosen and never writes
-    # it back here.
-    # Typed Any so it takes a number or "auto"; checked below
+    # it back here. (Typed Any to take a number or the word auto; __post_init__ checks it)
     microbatch_size: Any = 128
     # DataLoader worker processes during training
     num_workers: int = 2

@@ -37,7 +37,10 @@ def triton_status(device_type: str | None = None) -> tuple[bool, str]:
     to its PyTorch path with one warning, or to raise when asked to be strict.
     """
     if importlib.util.find_spec("triton") is None:
-        return False, "triton is not installed (pip install triton; it ships for Linux only)"
+        return (
+            False,
+            "triton is not installed (pip install -e '.[kernels]', or pip install triton; it ships for Linux only)",
+        )
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         return True, "Triton interpreter (TRITON_INTERPRET=1): runs on CPU, slow, for tests only"
     import torch

@@ -2,6 +2,8 @@
 
     python scripts/get_data.py glue --out data/glue              # for eval.glue_dir=data/glue
     python scripts/get_data.py wikipedia --out data/wikipedia    # the CPU study's shards (conf/sweep/cpu-study.yaml)
+    python scripts/get_data.py blimp --out data/blimp            # for eval=blimp blimp.dir=data/blimp
+    python scripts/get_data.py test-data --out data/test         # all three, in the layout CRAMMING_DATA names
 
 glue: the GLUE tasks of `nyu-mll/glue` (all nine, or --tasks RTE MRPC ...) in GLUE's original TSV layout, the
 one `eval.glue_dir` reads: <out>/<task>/train.tsv and the task's dev files (dev.tsv; MNLI dev_matched.tsv and
@@ -16,7 +18,17 @@ by single newlines: the layout, count and size (12 x 25.4 million characters) of
 was measured on. It streams only those articles (about 0.3 GB of text), and writes each shard beside its
 final name before renaming it, so an interrupted command leaves no half-written shard.
 
-Without network either command fails in one line that says so and names the alternative, with exit code 2.
+blimp: BLiMP's 67 paradigms from `nyu-mll/blimp`, one <out>/<UID>.jsonl.gz each, 1,000 pairs in pairID order, in
+the fields of BLiMP's own files (UID, pairID, sentence_good, sentence_bad, field, linguistics_term, ...): the
+folder `blimp.dir` reads.
+
+test-data: the folder the tests read real data from when the environment variable CRAMMING_DATA names it
+(tests/conftest.py): <out>/glue, <out>/wikipedia-en-2015 (the twelve shards; from the 20231101 dump, so their
+text differs from the 2015 shards the studies were measured on) and <out>/blimp. The reference checkpoint
+(<out>/checkpoints/cpu-study-tiny-30min) cannot be downloaded: the command prints the pretraining run that makes
+it (30 minutes on a CPU).
+
+Without network each command fails in one line that says so and names the alternative, with exit code 2.
 """
 
 from __future__ import annotations
@@ -163,6 +175,68 @@ def _write_shard(articles: Iterator[dict], path: Path, shard_chars: int) -> tupl
     return count, chars
 
 
+# ------------------------------------------------------------------------------------------------------ BLiMP
+
+BLIMP = "nyu-mll/blimp"
+BLIMP_INSTEAD = (
+    "Run it on a machine that has network and copy the folder here, or point blimp.dir at BLiMP's own files"
+    " (data/*.jsonl of github.com/alexwarstadt/blimp)."
+)
+
+
+def blimp_paradigms(revision: str | None = None) -> Iterator[tuple[str, Iterable[dict]]]:
+    """(UID, its rows) of every paradigm of the hub's BLiMP, one configuration each (the network calls)."""
+    import datasets
+
+    for uid in datasets.get_dataset_config_names(BLIMP, revision=revision):
+        yield uid, datasets.load_dataset(BLIMP, uid, split="train", revision=revision)
+
+
+def write_blimp(paradigms: Iterable[tuple[str, Iterable[dict]]], out: Path) -> list[Path]:
+    """Each paradigm as <out>/<UID>.jsonl.gz, its pairs in pairID order with pairID as BLiMP's files write it (a
+    string; the hub may call it pair_id). Each file is written beside its name and renamed when complete."""
+    written = []
+    for uid, rows in paradigms:
+        pairs = sorted((_blimp_pair(row) for row in rows), key=lambda pair: int(pair["pairID"]))
+        out.mkdir(parents=True, exist_ok=True)
+        path = out / f"{uid}.jsonl.gz"
+        partial = path.with_name(path.name + ".partial")
+        with gzip.open(partial, "wt", encoding="utf-8") as f:
+            f.writelines(json.dumps(pair, ensure_ascii=False) + "\n" for pair in pairs)
+        partial.replace(path)
+        print(f"{path}: {len(pairs):,} pairs")
+        written.append(path)
+    return written
+
+
+def _blimp_pair(row: dict) -> dict:
+    pair = dict(row)
+    pair["pairID"] = str(pair.pop("pair_id", pair.get("pairID")))
+    return pair
+
+
+# ---------------------------------------------------------------------------------------------- test data
+
+# the reference checkpoint of the tests' data folder: the command that made it (results/cpu-study/)
+CHECKPOINT_COMMAND = (
+    "python pretrain.py +sweep=cpu-study arch=bert-tiny budget=0.5 name=cpu-study-tiny-30min"
+    " 'data.sources.local.files=\"{shards}/train-0000[01]-of-00012.jsonl.gz\"'"
+)
+
+
+def write_test_data(out: Path, dump: str = DUMP) -> None:
+    """GLUE, the Wikipedia shards and BLiMP in the layout of tests/conftest.py; then how to make the checkpoint."""
+    write_glue(out / "glue", list(GLUE_TASKS))
+    wiki = hub_rows(_lazy(lambda: wikipedia_articles(dump)), f"{WIKIPEDIA} ({dump})", WIKI_INSTEAD)
+    write_wikipedia_shards(wiki, out / "wikipedia-en-2015")
+    write_blimp(hub_rows(_lazy(blimp_paradigms), BLIMP, BLIMP_INSTEAD), out / "blimp")
+    command = CHECKPOINT_COMMAND.format(shards=out / "wikipedia-en-2015")
+    print(
+        f"done. The reference checkpoint is made, not downloaded: run\n  {command}\nand copy the run's checkpoint"
+        f" folder to {out / 'checkpoints' / 'cpu-study-tiny-30min'}. Then: export CRAMMING_DATA={out}"
+    )
+
+
 # ---------------------------------------------------------------------------------------------------- command
 
 
@@ -180,22 +254,38 @@ def main(argv: list[str] | None = None) -> int:
     wiki.add_argument("--revision", default=None, help="a revision of the hub dataset (default: its newest)")
     wiki.add_argument("--shards", type=int, default=SHARDS)
     wiki.add_argument("--shard-chars", type=int, default=SHARD_CHARS)
+    blimp = commands.add_parser("blimp", help="BLiMP's 67 paradigms, for blimp.dir")
+    blimp.add_argument("--out", type=Path, default=Path("data/blimp"))
+    blimp.add_argument("--revision", default=None, help=f"a revision of {BLIMP} (default: its newest)")
+    tests = commands.add_parser(
+        "test-data", help="GLUE, Wikipedia and BLiMP in the layout CRAMMING_DATA names"
+    )
+    tests.add_argument("--out", type=Path, default=Path("data/test"))
     args = parser.parse_args(argv)
     _quiet_hub()
     try:
-        if args.what == "glue":
-            write_glue(args.out, args.tasks)
-        else:
-            stream = hub_rows(
-                _lazy(lambda: wikipedia_articles(args.dump, args.revision)),
-                f"{WIKIPEDIA} ({args.dump})",
-                WIKI_INSTEAD,
-            )
-            write_wikipedia_shards(stream, args.out, args.shards, args.shard_chars)
+        run_command(args)
     except (HubUnreachable, DataSourceError) as err:
         print(f"get_data: {err}", file=sys.stderr)
         return 2
     return 0
+
+
+def run_command(args: argparse.Namespace) -> None:
+    """What the subcommand `args.what` writes."""
+    if args.what == "glue":
+        write_glue(args.out, args.tasks)
+    elif args.what == "wikipedia":
+        stream = hub_rows(
+            _lazy(lambda: wikipedia_articles(args.dump, args.revision)),
+            f"{WIKIPEDIA} ({args.dump})",
+            WIKI_INSTEAD,
+        )
+        write_wikipedia_shards(stream, args.out, args.shards, args.shard_chars)
+    elif args.what == "blimp":
+        write_blimp(hub_rows(_lazy(lambda: blimp_paradigms(args.revision)), BLIMP, BLIMP_INSTEAD), args.out)
+    else:
+        write_test_data(args.out)
 
 
 def _lazy(make: Callable[[], Iterable]) -> Iterator:

@@ -4,7 +4,8 @@ Tests that want real data ask `data_dir(...)` for it, in the folder the environm
 names: `glue/<task>/train.tsv, dev.tsv, ...` (GLUE's original TSV layout, as `scripts/get_data.py glue`
 writes it), `wikipedia-en-2015/train-000NN-of-00012.jsonl.gz` (the CPU study's shards), `blimp/` and
 `checkpoints/`. Without it those tests skip, saying so; everything else runs on a fresh clone with nothing
-beside it. CI sets it (.ci/run).
+beside it. CI sets it (.ci/run). `python scripts/get_data.py test-data --out data/test` makes the folder on a
+machine with network (all but `checkpoints/cpu-study-tiny-30min`, whose pretraining command it prints).
 """
 
 from __future__ import annotations

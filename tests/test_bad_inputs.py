@@ -157,7 +157,7 @@ CASES = [
     local_data("data-other-field", words=("no field 'text'", "text_field")),
     local_data("data-not-utf8", words=("not utf-8", "data-not-utf8")),
     local_data("data-all-empty", words=("empty",)),
-    local_data("data-no-files", words=("no readable text files",)),
+    local_data("data-no-files", words=("no readable text files", "get_data.py wikipedia")),
     # ---- evaluation
     evaluate("eval-zero-examples", "eval.max_train_examples=0", words=("eval.max_train_examples",)),
     evaluate("eval-task-twice", "eval.tasks=[RTE,RTE]", words=("eval.tasks", "more than once", "eval.seeds")),
@@ -271,18 +271,29 @@ def places(tmp_path_factory) -> dict[str, str]:
     return {"base": str(base), "run": str(run), "bad": str(bad), "glue": str(glue)}
 
 
-@pytest.fixture(scope="module")
-def outcomes(places, tmp_path_factory) -> dict[str, dict]:
-    """Every case of CASES, run in one process (tests/command_runner.py): {id: {code, output, seconds}}."""
-    folder = tmp_path_factory.mktemp("runner")
+def run_cases(cases: list[Case], places: dict, folder: Path, env: dict | None = None, preexec=None) -> dict:
+    """Every case of `cases`, run in one process (tests/command_runner.py): {id: {code, output, seconds}}."""
     commands = [
-        {"id": case.id, "argv": [arg.format(case=case.id, **places) for arg in case.argv]} for case in CASES
+        {"id": case.id, "argv": [arg.format(case=case.id, **places) for arg in case.argv]} for case in cases
     ]
     (folder / "commands.json").write_text(json.dumps(commands))
     runner = [sys.executable, str(REPO / "tests" / "command_runner.py"), *(str(folder / n) for n in ("commands.json", "results.json"))]  # fmt: skip
-    done = subprocess.run(runner, cwd=REPO, env=environment(), capture_output=True, text=True, timeout=1200)
+    done = subprocess.run(
+        runner,
+        cwd=REPO,
+        env=env or environment(),
+        capture_output=True,
+        text=True,
+        timeout=1200,
+        preexec_fn=preexec,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return json.loads((folder / "results.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def outcomes(places, tmp_path_factory) -> dict[str, dict]:
+    return run_cases(CASES, places, tmp_path_factory.mktemp("runner"))
 
 
 def check_outcome(outcome: dict, code: int, words: tuple[str, ...]) -> None:
@@ -300,6 +311,161 @@ def test_the_battery_is_large_enough():
 @pytest.mark.parametrize("case", CASES, ids=[case.id for case in CASES])
 def test_bad_input(case: Case, outcomes):
     check_outcome(outcomes[case.id], case.code, case.words)
+
+
+# ------------------------------------------------------------------------ files this user may not read
+
+# Each names a file or folder the user may not read (mode 000), where a user names a path: it ends with exit 2
+# and one line naming the file and the permission, never a PermissionError's traceback. The runner meets the
+# permissions as a user other than root would (run as root, it runs without root's permission override).
+PERMISSION_CASES = [
+    Case("perm-corpus-file", (PRETRAIN, *TINY, *LOCAL[:2], "data.sources.local.files={perm}/corpus"), 2,
+         ("b.jsonl", "permission denied", "---------", "data.sources.<name>.files")),
+    Case("perm-corpus-folder", (PRETRAIN, *TINY, *LOCAL[:2], "data.sources.local.files={perm}/closed/*.jsonl"),
+         2, ("closed", "permission denied", "chmod a+rx")),
+    Case("perm-glue-file", (EVAL, *SMALL_EVAL, "eval.glue_dir={perm}/glue"), 2,
+         ("train.tsv", "permission denied", "eval.glue_dir")),
+    Case("perm-checkpoint-file", (EVAL, *SMALL_EVAL, "checkpoint={perm}/run"), 2,
+         ("model.safetensors", "permission denied", "checkpoint")),
+    Case("perm-checkpoint-folder", (EVAL, *SMALL_EVAL, "checkpoint={perm}/closed-run"), 2,
+         ("closed-run", "permission denied")),
+    Case("perm-hf-file", (EVAL, *SMALL_EVAL, "checkpoint=hf:{perm}/hf"), 2,
+         ("config.json", "permission denied", "checkpoint=hf:")),
+    Case("perm-blimp-file", (EVAL, *SMALL_EVAL, "eval=blimp", "blimp.dir={perm}/blimp"), 2,
+         ("adjunct_island.jsonl", "permission denied", "blimp.dir")),
+    Case("perm-export", (EXPORT, "{perm}/run", "{perm}/exported"), 2, ("model.safetensors", "permission denied")),
+]  # fmt: skip
+
+
+def without_root_override():
+    """A preexec_fn that drops root's permission to read and enter anything (CAP_DAC_OVERRIDE and
+    CAP_DAC_READ_SEARCH, from the bounding set: gone after exec), so that a file of mode 000 is as unreadable
+    to the test as to any other user; None when the tests run as another user already."""
+    if os.geteuid() != 0:
+        return None
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    pr_capbset_drop, dac_override, dac_read_search = 24, 1, 2
+
+    def drop() -> None:
+        for capability in (dac_override, dac_read_search):
+            if libc.prctl(pr_capbset_drop, capability, 0, 0, 0) != 0:
+                raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP)")
+
+    probe = subprocess.run([sys.executable, "-c", "pass"], preexec_fn=drop, capture_output=True)
+    if probe.returncode != 0:
+        pytest.skip(
+            "root here cannot give up its permission override (no CAP_SETPCAP): mode 000 stays readable"
+        )
+    return drop
+
+
+def write_unreadable(perm: Path, run: Path, real_glue: Path) -> list[Path]:
+    """The files and folders PERMISSION_CASES name under `perm`, each readable but for one part (mode 000).
+    Returns the parts made unreadable."""
+    from cramming.hf.export import to_transformers
+
+    (perm / "corpus").mkdir(parents=True)
+    for name in ("a.jsonl", "b.jsonl"):
+        (perm / "corpus" / name).write_text(
+            "".join(json.dumps({"text": f"row {i} " * 20}) + "\n" for i in range(40))
+        )
+    (perm / "closed").mkdir()
+    (perm / "closed" / "a.jsonl").write_text(json.dumps({"text": "words " * 20}) + "\n")
+    shutil.copytree(real_glue / "RTE", perm / "glue" / "RTE")
+    shutil.copytree(run, perm / "run")
+    shutil.copytree(run, perm / "closed-run")
+    to_transformers(run, perm / "hf")
+    (perm / "blimp").mkdir()
+    pair = {"sentence_good": "A cat sleeps.", "sentence_bad": "A cat sleep.", "field": "morphology",
+            "linguistics_term": "s-v agreement", "UID": "adjunct_island", "pairID": "0"}  # fmt: skip
+    (perm / "blimp" / "adjunct_island.jsonl").write_text(json.dumps(pair) + "\n")
+    closed = [perm / "corpus" / "b.jsonl", perm / "closed", perm / "glue" / "RTE" / "train.tsv",
+              perm / "run" / "checkpoint" / "model.safetensors", perm / "closed-run", perm / "hf" / "config.json",
+              perm / "blimp" / "adjunct_island.jsonl"]  # fmt: skip
+    for path in closed:
+        path.chmod(0)
+    return closed
+
+
+@pytest.fixture(scope="module")
+def permission_outcomes(places, tmp_path_factory) -> dict[str, dict]:
+    preexec = without_root_override()
+    perm = tmp_path_factory.mktemp("perm")
+    closed = write_unreadable(perm, Path(places["run"]), Path(places["glue"]))
+    try:
+        return run_cases(
+            PERMISSION_CASES, places | {"perm": str(perm)}, tmp_path_factory.mktemp("r"), None, preexec
+        )
+    finally:
+        for path in closed:
+            path.chmod(0o755 if path.is_dir() else 0o644)
+
+
+@pytest.mark.parametrize("case", PERMISSION_CASES, ids=[case.id for case in PERMISSION_CASES])
+def test_a_path_the_user_may_not_read(case: Case, permission_outcomes):
+    outcome = permission_outcomes[case.id]
+    check_outcome(outcome, case.code, case.words)
+    assert "PermissionError" not in outcome["output"]
+
+
+# ------------------------------------------------------------------------ out of memory, no transformers
+
+# pretrain.py whose model runs out of memory in its first forward pass, as a GPU's would: the error PyTorch
+# raises then, simulated (restored afterwards: the runner runs other commands in the same process)
+OUT_OF_MEMORY = """
+import runpy, sys, torch
+from cramming.model.bert import BertForMLM
+
+def forward(self, *args, **kwargs):
+    raise torch.cuda.OutOfMemoryError(
+        "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.19 GiB of which"
+        " 1.06 GiB is free.\\nIf reserved but unallocated memory is large try setting expandable_segments"
+    )
+
+original, BertForMLM.forward = BertForMLM.forward, forward
+try:
+    sys.argv[0] = {pretrain!r}
+    runpy.run_path({pretrain!r}, run_name="__main__")
+finally:
+    BertForMLM.forward = original
+"""
+
+
+def test_out_of_memory_exits_2_with_the_micro_batch_advice(places, tmp_path):
+    script = tmp_path / "oom_pretrain.py"
+    script.write_text(OUT_OF_MEMORY.format(pretrain=PRETRAIN))
+    case = Case("oom", (str(script), *TINY, "name=oom"), 2, ("out of memory", "impl.microbatch_size=auto"))
+    outcome = run_cases([case], places, tmp_path)["oom"]
+    check_outcome(outcome, case.code, case.words)
+    errors = [line for line in outcome["output"].splitlines() if "ERROR" in line]
+    assert len(errors) == 1 and "expandable_segments" not in errors[0], outcome["output"][-2000:]
+    card = json.loads(next((Path(places["base"]) / "oom").glob("*/run_card.json")).read_text())
+    assert card["status"] == "failed" and "impl.microbatch_size=auto" in card["error"]
+
+
+def test_hf_folders_without_transformers_exit_2_naming_the_install(places, tmp_path):
+    """transformers absent (a package of that name that cannot be imported shadows it): evaluating or exporting a
+    transformers folder ends in one line that says what to install."""
+    fake = tmp_path / "site" / "transformers"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text(
+        "raise ModuleNotFoundError(\"No module named 'transformers'\", name='transformers')\n"
+    )
+    from cramming.hf.export import to_transformers
+
+    exported = to_transformers(Path(places["run"]), tmp_path / "hf")
+    words = ("transformers is not installed", "pip install -e '.[hf]'")
+    cases = [
+        Case("eval-hf", (EVAL, *SMALL_EVAL, f"checkpoint=hf:{exported}"), 2, words),
+        Case("blimp-hf", (EVAL, *SMALL_EVAL, "eval=blimp", f"checkpoint=hf:{exported}"), 2, words),
+        Case("export", (EXPORT, "{run}", str(tmp_path / "out")), 2, words),
+    ]
+    env = environment() | {"PYTHONPATH": str(tmp_path / "site")}
+    outcomes = run_cases(cases, places, tmp_path, env)
+    for case in cases:
+        check_outcome(outcomes[case.id], case.code, case.words)
 
 
 # ------------------------------------------------------------------------ in processes of their own

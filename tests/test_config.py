@@ -189,3 +189,14 @@ def test_an_arch_preset_is_read_with_overrides_and_checked_like_a_runs():
         arch_preset("bert-tiny", ["num_layer=4"])
     with pytest.raises(ConfigError, match="bert-tiny"):  # the presets there are named
         arch_preset("bert-tinny")
+
+
+def test_a_micro_batch_that_does_not_divide_the_batch_is_refused_naming_the_nearest_that_does():
+    from cramming.train.autobatch import check_batch_division
+
+    with pytest.raises(ConfigError, match=r"impl.microbatch_size=128 \(the nearest that divides it\) or 64"):
+        check_batch_division(8192, 100)
+    with pytest.raises(ConfigError, match=r"impl.microbatch_size=64 \(the nearest that divides it\) or 128"):
+        check_batch_division(8192, 96)  # a tie: the smaller, which fits in less memory
+    with pytest.raises(ConfigError, match=r"impl.microbatch_size=4$"):
+        check_batch_division(4, 8)  # nothing larger divides 4

@@ -86,7 +86,9 @@ def test_max_entries_and_join_entries(tmp_path, wiki_texts):
 
 
 def test_no_matching_files_is_a_clear_error(tmp_path):
-    with pytest.raises(DataSourceError, match=r"no readable text files match .*data.sources"):
+    with pytest.raises(
+        DataSourceError, match=r"no readable text files match .*data.sources.*get_data.py wikipedia"
+    ):
         resolve_local_files(str(tmp_path / "*.jsonl"))
 
 

@@ -213,6 +213,16 @@ USER_FACING = ["README.md", "Makefile", "pretrain.py", "eval.py", "docs", "conf"
 BESIDE_OUR_CHECKOUTS = re.compile(r"\.\./shared\b")
 
 
+def lines_naming_our_data(files: list[Path]) -> list[str]:
+    """`path:line` of every line of `files` that names the data beside our checkouts."""
+    return [
+        f"{path.relative_to(REPO)}:{n}"
+        for path in files
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if BESIDE_OUR_CHECKOUTS.search(line)
+    ]
+
+
 def test_no_user_facing_file_names_the_data_beside_our_checkouts():
     files = [
         path
@@ -221,10 +231,32 @@ def test_no_user_facing_file_names_the_data_beside_our_checkouts():
         if path.is_file() and path.suffix in ("", ".md", ".py", ".yaml", ".sh")
     ]
     assert len(files) > 100
+    found = lines_naming_our_data(files)
+    assert not found, f"name data a fresh clone has (data/, made by scripts/get_data.py) instead: {found}"
+
+
+def test_no_results_page_names_the_data_beside_our_checkouts():
+    """A results page's replay lines are copied by users: they name data/... as scripts/get_data.py makes it.
+    The kept run records (results/*/runs/) may keep the paths that ran."""
+    pages = [p for p in sorted((REPO / "results").rglob("*.md")) if "runs" not in p.relative_to(REPO).parts]
+    assert len(pages) > 20
+    found = lines_naming_our_data(pages)
+    assert not found, f"name data as a user makes it (data/..., scripts/get_data.py) instead: {found}"
+
+
+# `pip install .[hf]` is a glob in zsh (macOS's shell), which fails with "no matches found": quote the extra
+UNQUOTED_EXTRA = re.compile(r"pip install (?:-e )?\.\[")
+
+
+def test_every_pip_install_of_an_extra_is_quoted():
+    files = [REPO / "README.md", REPO / "Makefile", *sorted((REPO / "docs").glob("*.md"))]
+    code = [p for name in ("conf", "cramming", "scripts") for p in sorted((REPO / name).rglob("*"))]
+    # scripts/studies/ is being replaced by the study command; what replaces it is checked here once it lands
+    files += [p for p in code if p.suffix in (".py", ".yaml") and "studies" not in p.parts]
     found = [
         f"{path.relative_to(REPO)}:{n}"
         for path in files
         for n, line in enumerate(path.read_text().splitlines(), 1)
-        if BESIDE_OUR_CHECKOUTS.search(line)
+        if UNQUOTED_EXTRA.search(line)
     ]
-    assert not found, f"name data a fresh clone has (data/, made by scripts/get_data.py) instead: {found}"
+    assert not found, f"quote the extra, as pip install -e '.[hf]': {found}"

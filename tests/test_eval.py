@@ -20,7 +20,15 @@ from cramming.eval.backbone import Backbone
 from cramming.eval.config import EvalConfig, EvalRunConfig
 from cramming.eval.finetune import EvaluationStopped, finetune
 from cramming.eval.glue_data import load_local
-from cramming.eval.run import RESULTS_JSON, RESULTS_TABLE, RUNS_JSON, checkpoint_backbone, recipe_of, run_glue
+from cramming.eval.run import (
+    RESULTS_JSON,
+    RESULTS_TABLE,
+    RUNS_JSON,
+    checkpoint_backbone,
+    load_tasks,
+    recipe_of,
+    run_glue,
+)
 from cramming.eval.tasks import GLUE_TASKS
 from cramming.impl import ImplConfig
 from cramming.job.cluster import SUBMITIT_ENV
@@ -131,9 +139,26 @@ def test_a_named_task_without_data_fails_before_any_finetuning(sst2, tmp_path, g
         impl=ImplConfig(device="cpu"),
         checkpoint=str(checkpoint),
     )
-    with pytest.raises(DataSourceError, match=r"QQP: missing .*eval.tasks names QQP"):
+    with pytest.raises(DataSourceError, match=r"QQP: missing .*eval.tasks=RTE,QQP.*eval.tasks=\[RTE\]"):
         run_glue(cfg, checkpoint_backbone(checkpoint, cfg.impl), tmp_path / "out")
     assert not (tmp_path / "out" / RESULTS_JSON).exists()
+
+
+def test_without_network_a_recipes_tasks_fail_naming_the_local_copy_not_a_task_the_user_named(monkeypatch):
+    from cramming.eval import glue_data
+
+    def unreachable(task, cache_dir=None):
+        raise ConnectionError("Couldn't reach 'nyu-mll/glue' on the Hub (LocalEntryNotFoundError)")
+
+    monkeypatch.setattr(glue_data, "hub_dataset", unreachable)
+    recipe = EvalRunConfig(
+        eval=EvalConfig(tasks=["CoLA", "SST-2"]), checkpoint="demo"
+    )  # eval=glue-small's kind
+    with pytest.raises(DataSourceError) as raised:
+        load_tasks(recipe)
+    message = str(raised.value)
+    assert "could not reach the Hugging Face hub" in message and "get_data.py glue" in message
+    assert "eval.glue_dir" in message and "names" not in message and "leave" not in message
 
 
 def test_a_glue_dir_that_does_not_exist_fails_at_start_up():
@@ -180,7 +205,7 @@ def test_eval_py_fails_with_exit_2_and_a_failed_card_when_a_named_task_has_no_da
     assert f"RTE: missing {tmp_path / 'RTE' / 'train.tsv'}" in output
     (card,) = tmp_path.glob("glue/*/run_card.json")
     card = json.loads(card.read_text())
-    assert card["status"] == "failed" and "eval.tasks names RTE" in card["error"]
+    assert card["status"] == "failed" and "get_data.py glue --tasks RTE" in card["error"]
 
 
 def test_eval_budget_stops_before_later_tasks(sst2, tmp_path, glue_dir):

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import datasets
 import pytest
-from conftest import data_dir
+from conftest import WIKI_SHARD, data_dir
 from hydra import compose, initialize_config_dir
 
 from cramming.config import CONF_DIR, register_configs, validate
@@ -180,11 +180,61 @@ def test_running_out_of_articles_fails_and_leaves_no_half_written_shard(get_data
     ]
 
 
+# ------------------------------------------------------------------------------------------------------ BLiMP
+
+
+def hub_paradigms(uids=("adjunct_island", "passive_1"), pairs=3):
+    """Paradigms as the hub's nyu-mll/blimp holds them: its pair ids are integers, stored out of order."""
+    for uid in uids:
+        rows = [
+            {"sentence_good": f"{uid} good {i}.", "sentence_bad": f"{uid} bad {i}.", "field": "syntax",
+             "linguistics_term": "island_effects", "UID": uid, "pair_id": i, "lexically_identical": True}
+            for i in reversed(range(pairs))
+        ]  # fmt: skip
+        yield uid, datasets.Dataset.from_list(rows)
+
+
+def test_the_blimp_command_writes_the_folder_blimp_dir_reads(get_data, tmp_path, monkeypatch):
+    from cramming.eval.blimp import BlimpConfig, load_pairs
+
+    monkeypatch.setattr(get_data, "blimp_paradigms", lambda revision: hub_paradigms())
+    assert get_data.main(["blimp", "--out", str(tmp_path / "blimp")]) == 0
+    assert sorted(p.name for p in (tmp_path / "blimp").iterdir()) == [
+        "adjunct_island.jsonl.gz",
+        "passive_1.jsonl.gz",
+    ]
+    pairs = load_pairs(BlimpConfig(dir=str(tmp_path / "blimp")))
+    assert [pair["pairID"] for pair in pairs["passive_1"]] == ["0", "1", "2"]
+    assert (
+        pairs["passive_1"][0]["sentence_good"] == "passive_1 good 0."
+        and "pair_id" not in pairs["passive_1"][0]
+    )
+
+
+def test_the_test_data_command_writes_the_layout_the_tests_read(get_data, local_hub, tmp_path, monkeypatch):
+    stream = hub_articles(tmp_path / "hub.jsonl", 60)
+    monkeypatch.setattr(get_data, "wikipedia_articles", lambda dump, revision=None: stream)
+    monkeypatch.setattr(get_data, "blimp_paradigms", lambda revision=None: hub_paradigms())
+    monkeypatch.setattr(get_data, "GLUE_TASKS", {name: GLUE_TASKS[name] for name in ("RTE", "CoLA")})
+    monkeypatch.setattr(get_data, "write_wikipedia_shards", _small_shards(get_data.write_wikipedia_shards))
+    out = tmp_path / "test-data"
+    assert get_data.main(["test-data", "--out", str(out)]) == 0
+    assert (out / "glue" / "RTE" / "train.tsv").is_file() and (out / "glue" / "CoLA" / "dev.tsv").is_file()
+    assert out.joinpath(*WIKI_SHARD).is_file()  # the shard the tests' fixtures read
+    assert (out / "wikipedia-en-2015" / "train-00011-of-00012.jsonl.gz").is_file()
+    assert (out / "blimp" / "passive_1.jsonl.gz").is_file()
+
+
+def _small_shards(write):
+    return lambda articles, out, shards=12, shard_chars=0: write(articles, out, shards, 150)
+
+
 # ------------------------------------------------------------------------------------------------- no network
 
 
 @pytest.mark.parametrize(
-    "what, alternative", [("glue", "eval.glue_dir"), ("wikipedia", "data.sources.local.files")]
+    "what, alternative",
+    [("glue", "eval.glue_dir"), ("wikipedia", "data.sources.local.files"), ("blimp", "blimp.dir")],
 )
 def test_without_network_each_command_fails_in_one_line(tmp_path, what, alternative):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}

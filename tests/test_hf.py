@@ -231,6 +231,61 @@ def test_crammed_export_runs_in_transformers_alone(crammed, fresh):
     torch.testing.assert_close(result["hidden"], hidden, rtol=0, atol=ATOL)
 
 
+# AutoTokenizer as docs/export.md gives it, in a terminal whose standard input is open (a closed one answers a
+# question "no" at once, hiding it): transformers 5 reads config.json first, and without trust_remote_code=True
+# asks whether to run the folder's code and waits for an answer. Prints LOADED and the class on success.
+TERMINAL_SCRIPT = """
+import sys
+sys.path.append({site!r})
+from transformers import AutoTokenizer
+tokenizer = AutoTokenizer.from_pretrained({out!r}, trust_remote_code=True)
+print("LOADED", type(tokenizer).__name__, tokenizer("a small model")["input_ids"][:1])
+"""
+
+
+def in_a_terminal(argv: list[str], env: dict, seconds: float = 120) -> tuple[str, bool]:
+    """(what a command printed in a pseudo-terminal with its standard input open, whether it asked [y/N]): a
+    question is answered by nobody, so the command is ended as soon as one shows."""
+    import pty
+    import select
+    import time
+
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: the terminal is its stdin, stdout and stderr
+        os.execve(argv[0], argv, env)
+    output, asked, deadline = b"", False, time.monotonic() + seconds
+    while time.monotonic() < deadline and not asked:
+        if select.select([fd], [], [], 0.5)[0]:
+            try:
+                chunk = os.read(fd, 4096)
+            except OSError:  # the child closed the terminal: it ended
+                break
+            if not chunk:
+                break
+            output += chunk
+            asked = b"[y/N]" in output
+    if asked or time.monotonic() >= deadline:
+        os.kill(pid, 9)
+    os.waitpid(pid, 0)
+    os.close(fd)
+    return output.decode(errors="replace"), asked
+
+
+@pytest.mark.slow  # a second Python process importing transformers
+def test_the_exported_tokenizer_loads_in_a_terminal_without_a_question(crammed, tmp_path):
+    _, _, out = crammed
+    script = TERMINAL_SCRIPT.format(site=sysconfig.get_paths()["purelib"], out=str(out))
+    env = {
+        "HF_HOME": str(tmp_path / "hf_home"),
+        "HF_HUB_OFFLINE": "1",
+        "PATH": "/usr/bin:/bin",
+        "TERM": "dumb",
+    }
+    output, asked = in_a_terminal([sys.executable, "-I", "-S", "-c", script], env)
+    assert not asked, f"it asked whether to run the folder's code:\n{output[-2000:]}"
+    assert "LOADED" in output and "model of type" not in output, output[-2000:]
+
+
 @pytest.mark.slow  # a second Python process importing torch and transformers
 def test_fill_mask_pipeline_ranks_as_our_model(crammed, fresh):
     model, checkpoint, _ = crammed
@@ -411,7 +466,7 @@ def test_missing_transformers_says_how_to_install(monkeypatch):
 
     monkeypatch.setitem(sys.modules, "transformers", None)  # None in sys.modules: the import fails
     monkeypatch.delitem(sys.modules, "cramming.hf")
-    with pytest.raises(ImportError, match=r"pip install 'cramming\[hf\]'"):
+    with pytest.raises(ImportError, match=r"pip install -e '\.\[hf\]'"):
         importlib.import_module("cramming.hf")
 
 

@@ -197,3 +197,21 @@ def test_cards_are_read_from_single_runs_and_multirun_jobs_alike(tmp_path):
     (tmp_path / "name" / "2026-01-01_00-00-10" / RUN_CARD).unlink()
     # single runs only: a multirun's jobs sit one level deeper
     assert newest_card(tmp_path, "name")[0] == gone and newest_card(tmp_path, "other") is None
+
+
+def test_out_of_memory_is_the_users_to_fix_and_says_what_fits():
+    import torch
+
+    from cramming.job import exits
+
+    gpu = torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.\nIf reserved but ...")
+    cpu = RuntimeError("[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate memory: 9 GB")
+    wrapped = RuntimeError("DataLoader worker failed")
+    wrapped.__cause__ = gpu
+    for err in (gpu, cpu, wrapped):
+        assert exits.exit_code(err) == exits.USER_ERROR
+    message = exits.failure_message(wrapped, "pretrain")
+    assert "out of memory" in message and "impl.microbatch_size=auto" in message and "\n" not in message
+    assert "eval.batch_size" in exits.failure_message(gpu, "eval")
+    assert exits.exit_code(RuntimeError("shape mismatch")) is None  # a bug keeps its traceback
+    assert exits.failure_message(ConfigError("bad value"), "pretrain") == "bad value"

@@ -48,6 +48,12 @@ PIPELINE_VERSION = 3
 STATS_FILE = "stats.json"
 # Texts per batch in the map steps; big enough to amortize Python overhead, small enough for memory.
 BATCH = 1000
+# Documents per batch where they are tokenized and packed. What these steps hold scales with a batch's tokens
+# (a Wikipedia article has about 3,500): at 1,000 documents a batch held 0.5 GB while it was tokenized and,
+# packed 10,000 at a time, 0.7 GB, the peak of the whole pipeline; at 100 it is tens of MB, and neither step is
+# slower (results/preprocessing/: scaling-before.md, scaling.md). The peak is then the tokenizer trainer's, which
+# grows with the distinct words it trains on (data.tokenizer.max_train_entries bounds them), not the corpus.
+DOC_BATCH = 100
 # Roughly this many characters of text per preprocessing process before a second one pays off.
 CHARS_PER_PROC = 8_000_000
 
@@ -165,9 +171,10 @@ class _Steps:
         log.info("%s done in %.1f s%s", name, took, rate)
 
 
-def _arrow_column(ds: datasets.Dataset, column: str) -> Iterator[pa.Array]:
-    """One column in Arrow batches, with any row selection (indices mapping) of `ds` applied."""
-    for table in ds.select_columns([column]).with_format("arrow").iter(batch_size=10 * BATCH):
+def _arrow_column(ds: datasets.Dataset, column: str, rows: int = 10 * BATCH) -> Iterator[pa.Array]:
+    """One column in Arrow batches of `rows` rows, with any row selection (indices mapping) of `ds` applied.
+    A column of whole documents (text, token ids) is read BATCH rows at a time: 10,000 articles are 0.15 GB."""
+    for table in ds.select_columns([column]).with_format("arrow").iter(batch_size=rows):
         yield table.column(column).combine_chunks()
 
 
@@ -178,7 +185,8 @@ def _numpy_column(ds: datasets.Dataset, column: str) -> np.ndarray:
 
 def _text_megabytes(ds: datasets.Dataset) -> float:
     total = sum(
-        pc.sum(pc.binary_length(batch.cast(pa.binary()))).as_py() or 0 for batch in _arrow_column(ds, "text")
+        pc.sum(pc.binary_length(batch.cast(pa.binary()))).as_py() or 0
+        for batch in _arrow_column(ds, "text", BATCH)
     )
     return total / 1e6
 
@@ -311,7 +319,8 @@ def _tokenize(
     prenormalized.normalizer = None
 
     def tokenize(batch: dict[str, list]) -> dict[str, list]:
-        encodings = prenormalized.encode_batch(batch["text"], add_special_tokens=False)
+        # the fast form leaves out the character offsets, which would be most of the encodings' memory
+        encodings = prenormalized.encode_batch_fast(batch["text"], add_special_tokens=False)
         ids = [enc.ids for enc in encodings]
         ratios = [len(x) / max(1, len(text)) for x, text in zip(ids, batch["text"], strict=True)]
         return {"ids": ids, "tokens_per_char": ratios}
@@ -322,7 +331,8 @@ def _tokenize(
     return docs.map(
         tokenize,
         batched=True,
-        batch_size=BATCH,
+        batch_size=DOC_BATCH,
+        writer_batch_size=DOC_BATCH,
         remove_columns=docs.column_names,
         features=features,
         cache_file_name=str(scratch_file),
@@ -340,19 +350,15 @@ def _drop_trash(tokenized: datasets.Dataset, cutoff: float | None) -> datasets.D
 
 def _token_count(tokenized: datasets.Dataset) -> int:
     return sum(
-        int(pc.sum(pc.list_value_length(batch)).as_py() or 0) for batch in _arrow_column(tokenized, "ids")
+        int(pc.sum(pc.list_value_length(batch)).as_py() or 0)
+        for batch in _arrow_column(tokenized, "ids", BATCH)
     )
 
 
 def join_with_separator(values: np.ndarray, offsets: np.ndarray, sep: int) -> np.ndarray:
-    """Documents given as flat `values` with `offsets` (n+1,) -> each document followed by `sep`."""
-    n_docs = len(offsets) - 1
-    lengths = np.diff(offsets)
-    out = np.empty(len(values) + n_docs, dtype=values.dtype)
-    doc_of_value = np.repeat(np.arange(n_docs), lengths)
-    out[np.arange(len(values)) + doc_of_value] = values  # document i is shifted by the i separators before it
-    out[offsets[1:] + np.arange(n_docs)] = sep
-    return out
+    """Documents given as flat `values` with `offsets` (n+1,) -> each document followed by `sep`. Beside the
+    result it holds one byte per token (numpy's insertion mask), not an index per token."""
+    return np.insert(values, offsets[1:], np.asarray(sep, dtype=values.dtype))
 
 
 def _pack(
@@ -365,14 +371,15 @@ def _pack(
 ) -> datasets.Dataset:
     """Join documents with [SEP] and cut the stream into rows of exactly seq_length; the last partial row is
     dropped. With `first_token` (data.row_start=cls: the [CLS] id), each row is that token followed by seq_length - 1
-    tokens of the stream. Rows are streamed to an Arrow file, so memory stays at one batch of documents."""
+    tokens of the stream. Rows are streamed to an Arrow file, so memory stays at one batch of DOC_BATCH
+    documents."""
     np_type = np.dtype(id_type)
     body = seq_length - (first_token is not None)  # stream tokens per row
     schema = pa.schema([("input_ids", pa.list_(pa.from_numpy_dtype(np_type), seq_length))])
     carry = np.empty(0, dtype=np_type)
     rows, last_log, start = 0, time.perf_counter(), time.perf_counter()
     with pa.OSFile(str(out_file), "wb") as sink, pa.ipc.new_stream(sink, schema) as writer:
-        for table in tokenized.with_format("arrow").iter(batch_size=10 * BATCH):
+        for table in tokenized.with_format("arrow").iter(batch_size=DOC_BATCH):
             docs = table.column("ids").combine_chunks()  # ListArray: (docs,) of variable length
             offsets = docs.offsets.to_numpy()
             values = docs.flatten().to_numpy(zero_copy_only=False).astype(np_type, copy=False)

@@ -23,7 +23,14 @@ from pathlib import Path
 import datasets
 
 from cramming.data import embedded
-from cramming.errors import DataSourceError, WriteFailed, check_choice, config_error, stops_unwrapped
+from cramming.errors import (
+    DataSourceError,
+    WriteFailed,
+    check_choice,
+    check_readable,
+    config_error,
+    stops_unwrapped,
+)
 from cramming.utils import atomic_write_text
 
 log = logging.getLogger("cramming")
@@ -52,11 +59,12 @@ OFFLINE_HINT = (
 class SourceConfig:
     """One raw-text source. Several sources are concatenated in the order of their names."""
 
-    kind: str = "local"  # a key of SOURCE_KINDS (below): hub, local or embedded
+    kind: str = "local"  # hub, local or embedded (the keys of SOURCE_KINDS)
     # hub: dataset path on the Hugging Face hub, e.g. "wikimedia/wikipedia"
     path: str | None = None
     # hub: subset / configuration name, e.g. "20231101.en"
     subset: str | None = None
+    # hub: the split to read
     split: str = "train"
     # hub: stream instead of downloading the whole corpus (needs max_entries to stay bounded)
     streaming: bool = False
@@ -101,19 +109,33 @@ def _format_of(path: str) -> str | None:
 
 
 def resolve_local_files(pattern: str) -> list[str]:
-    """A folder (searched recursively) or a glob, to a sorted list of readable files."""
+    """A folder (searched recursively) or a glob, to a sorted list of readable files. A folder or file this
+    process may not read is an error naming it (a folder it may not list would look empty)."""
     expanded = os.path.expanduser(pattern)
+    setting = "data.sources.<name>.files"
     if os.path.isdir(expanded):
+        check_readable(expanded, setting)
         candidates = glob.glob(os.path.join(expanded, "**", "*"), recursive=True)
     else:
+        check_readable(_fixed_part(expanded), setting)
         candidates = glob.glob(expanded, recursive=True)
     files = sorted(p for p in candidates if os.path.isfile(p) and _format_of(p))
+    for path in files:
+        check_readable(path, setting)
     if not files:
         raise DataSourceError(
             f"no readable text files match {pattern!r} (looked for {', '.join(LOCAL_FORMATS)}). "
-            "Point data.sources.<name>.files at a folder or a glob of such files."
+            "Point data.sources.<name>.files at a folder or a glob of such files; `python scripts/get_data.py"
+            " wikipedia` makes the CPU study's shards in data/wikipedia (what +sweep=cpu-study reads)."
         )
     return files
+
+
+def _fixed_part(pattern: str) -> str:
+    """The folder a glob searches: its path up to the first part with a wildcard."""
+    parts = Path(pattern).parts
+    fixed = next((i for i, part in enumerate(parts) if glob.has_magic(part)), len(parts))
+    return str(Path(*parts[:fixed])) if fixed else "."
 
 
 # In the data cache root: the SHA-256 of each local file hashed so far, with the size and times it had then. A

@@ -45,8 +45,10 @@ NON_ASCII = r"[^\x00-\x7F]+"
 class NormalizerConfig:
     """Unicode and case normalization, applied to the corpus and saved into the tokenizer."""
 
+    # Unicode NFKC: compatibility characters to their plain form (ligatures, full-width letters)
     nfkc: bool = True
-    lowercase: bool = True
+    lowercase: bool = True  # lowercase everything (an uncased model)
+    # drop accents (é -> e): decompose, remove the combining marks, recompose
     strip_accents: bool = True
     # delete every character outside 7-bit ASCII, after the steps above (cramming's `force_english_keyboard`).
     # Without it the WordPiece trainer keeps every character of the corpus in the vocabulary: one Wikipedia
@@ -59,6 +61,7 @@ class TokenizerConfig:
     """A tokenizer trained from scratch on the corpus with the `tokenizers` library."""
 
     kind: str = "wordpiece"  # a key of TOKENIZER_KINDS (below): wordpiece, bpe (byte-level) or unigram
+    # entries of the vocabulary, special tokens included
     vocab_size: int = 32768
     # pairs seen fewer times than this are not merged into a vocabulary entry (wordpiece, bpe; the unigram
     # trainer has no such setting)

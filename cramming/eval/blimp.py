@@ -31,7 +31,7 @@ import torch
 from tokenizers import Tokenizer
 from torch import nn
 
-from cramming.errors import DataSourceError, RunStopped, check_choice, config_error
+from cramming.errors import DataSourceError, RunStopped, check_choice, check_readable, config_error
 from cramming.runs import earlier_run, refuse_other_settings
 from cramming.signals import catch_stop_signals
 from cramming.utils import atomic_write_text
@@ -77,6 +77,7 @@ class BlimpConfig:
 def read_paradigm(path: Path, limit: int | None = None) -> list[dict]:
     """The pairs of one <UID>.jsonl[.gz] file, in pairID order, the first `limit` of them."""
     opener = gzip.open if path.suffix == ".gz" else open
+    check_readable(path, "blimp.dir")
     try:
         with opener(path, "rt", encoding="utf-8") as f:
             rows = [json.loads(line) for line in f if line.strip()]
@@ -93,6 +94,7 @@ def read_paradigm(path: Path, limit: int | None = None) -> list[dict]:
 
 def local_paradigms(folder: Path) -> dict[str, Path]:
     """UID -> file of a folder of <UID>.jsonl or <UID>.jsonl.gz files."""
+    check_readable(folder, "blimp.dir")
     files = {p.name.removesuffix(".gz").removesuffix(".jsonl"): p for p in sorted(folder.glob("*.jsonl*"))}
     if not files:
         raise DataSourceError(f"blimp.dir={folder} holds no <UID>.jsonl(.gz) files; point it at BLiMP's data")

@@ -41,8 +41,11 @@ def _glue_sane_optim() -> OptimConfig:
 class TaskOverride:
     """Per-task changes to the recipe (e.g. more epochs for the small tasks); null keeps the recipe's."""
 
+    # passes over this task's training examples
     epochs: int | None = None
+    # peak learning rate for this task (eval.optim.lr for the others)
     lr: float | None = None
+    # examples per update for this task
     batch_size: int | None = None
 
 
@@ -50,6 +53,7 @@ class TaskOverride:
 class EvalConfig:
     """The `eval` group: which tasks, and the fine-tuning recipe (GLUE-sane by default)."""
 
+    # a short label of the recipe, recorded in glue_results.json
     name: str = "glue-sane"
     # GLUE-sane's eight tasks by default, of which those whose files are absent are skipped (and named in the
     # summary); any other list names its tasks, and a named task that cannot be evaluated fails the run
@@ -59,7 +63,9 @@ class EvalConfig:
     # a bad row of a task file (missing field, unknown label, a score that is not a number) fails the run;
     # true: such rows are skipped, counted per task in glue_results.json (bad_rows_skipped) and logged
     skip_bad_rows: bool = False
+    # passes over each task's training examples
     epochs: int = 5
+    # examples per update
     batch_size: int = 16
     # inputs are truncated to this many tokens; batches are padded to their longest input only
     max_length: int = 128
@@ -83,7 +89,9 @@ class EvalConfig:
     seeds: list[int] = field(default_factory=lambda: [0])
     # subsample the training / evaluation examples (for CPU-scale runs); null: all
     max_train_examples: int | None = None
+    # the first this many evaluation examples of each task; null: all
     max_eval_examples: int | None = None
+    # per task name (e.g. eval.per_task.RTE.epochs=10): epochs, lr or batch size of that task only
     per_task: dict[str, TaskOverride] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -161,11 +169,13 @@ class EvalRunConfig:
     benchmark: str = "glue"
     eval: EvalConfig = field(default_factory=EvalConfig)
     blimp: BlimpConfig = field(default_factory=BlimpConfig)
+    # how fast, as in pretraining (device, precision, kernels, threads); the micro-batch is not used here
     impl: ImplConfig = field(default_factory=ImplConfig)
     # a run folder, its checkpoint/ folder, or a pretraining run name (its newest finished run)
     checkpoint: str = MISSING
     # outputs go to {base_dir}/{name}/{timestamp}/
     name: str = "glue"
+    # added to every fine-tuning seed of eval.seeds
     seed: int = 0
     # where runs are looked up by name, and where this one writes
     base_dir: str = "outputs"

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import datasets
 
-from cramming.errors import DataSourceError
+from cramming.errors import DataSourceError, check_readable
 from cramming.eval.tasks import HUB_PATH, GlueTask
 
 log = logging.getLogger("cramming")
@@ -128,6 +128,8 @@ def load_local(
     files = {"train": folder / "train.tsv"} | {
         split or "dev": folder / f"{stem}.tsv" for split, stem, _ in task.eval_splits
     }
+    for path in (Path(glue_dir), folder, *files.values()):  # one this process may not read: say so
+        check_readable(path, "eval.glue_dir")
     absent = [str(p) for p in files.values() if not p.exists()]
     if absent:
         raise TaskDataMissing(f"{task.name}: missing {', '.join(absent)}")

@@ -12,7 +12,7 @@ from pathlib import Path
 from cramming.budget import BudgetClock
 from cramming.errors import ConfigError, DataSourceError
 from cramming.eval.backbone import Backbone
-from cramming.eval.config import EvalRunConfig
+from cramming.eval.config import EvalConfig, EvalRunConfig
 from cramming.eval.finetune import EvaluationStopped, GlueRuns, finetune_tasks
 from cramming.eval.glue_data import TaskDataMissing, load_task
 from cramming.eval.scores import EntryScore, glue_average, markdown_table, summarize
@@ -71,10 +71,7 @@ def load_tasks(cfg: EvalRunConfig) -> tuple[list, list[str], dict[str, list[str]
             splits = load_task(task, cfg.eval.glue_dir, Path(cfg.base_dir) / "data" / "hf", bad_rows=bad)
         except TaskDataMissing as err:
             if cfg.eval.tasks_named:
-                raise DataSourceError(
-                    f"{err}; eval.tasks names {name}: point eval.glue_dir at a copy of GLUE that has it, or"
-                    f" leave {name} out of eval.tasks"
-                ) from err
+                raise DataSourceError(missing_task_message(err, name, cfg.eval)) from err
             log.warning("skipping a task of the default list: %s", err)
             skipped.append(name)
             continue
@@ -83,6 +80,18 @@ def load_tasks(cfg: EvalRunConfig) -> tuple[list, list[str], dict[str, list[str]
             bad_rows[name] = bad
         jobs.append((task, splits))
     return jobs, skipped, bad_rows
+
+
+def missing_task_message(err: TaskDataMissing, name: str, cfg: EvalConfig) -> str:
+    """Why a task of the evaluation has no data, and the fix: a local copy when the hub could not be read (every
+    task needs one then), else that task added to eval.glue_dir or left out of the list it is in."""
+    if cfg.glue_dir is None:
+        return f"{err} (`python scripts/get_data.py glue --out data/glue` makes one where there is network)"
+    others = ",".join(task for task in cfg.tasks if task != name)
+    return (
+        f"{err}. {name} is one of the tasks of this evaluation (eval.tasks={','.join(cfg.tasks)}): add its files to"
+        f" {cfg.glue_dir} (`python scripts/get_data.py glue --tasks {name}`), or leave it out: 'eval.tasks=[{others}]'"
+    )
 
 
 def recipe_of(cfg: EvalRunConfig, source: str) -> dict:

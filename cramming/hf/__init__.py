@@ -6,7 +6,7 @@ cramming/model/modeling_crammed_bert.py, copied as they are); load.py wraps any 
 `transformers` encoder folder as a fine-tuning Backbone. Importing this package registers the crammed BERT
 with the Auto* factories, so exported folders load in this process without `trust_remote_code`.
 
-`transformers` is an optional dependency: `pip install 'cramming[hf]'`.
+`transformers` is an optional dependency: `pip install -e '.[hf]'`.
 """
 
 from __future__ import annotations
@@ -14,9 +14,12 @@ from __future__ import annotations
 try:
     import transformers
 except ImportError as err:
-    raise ImportError(
-        "cramming.hf (export to / import from Hugging Face transformers) needs the `transformers` package:"
-        " pip install 'cramming[hf]'"
+    # a ModuleNotFoundError: what cramming.job.exits maps to exit 2 with this one line (`checkpoint=hf:...`,
+    # scripts/export_hf.py), and still an ImportError for code that imports cramming.hf itself
+    raise ModuleNotFoundError(
+        "transformers is not installed: reading or writing a Hugging Face transformers folder (checkpoint=hf:<folder>,"
+        " scripts/export_hf.py) needs it. Install it from the project's folder: pip install -e '.[hf]'",
+        name="transformers",
     ) from err
 
 from cramming.model.modeling_crammed_bert import (

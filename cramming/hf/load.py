@@ -19,7 +19,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModel, AutoModelForMaskedLM, PretrainedConfig
 
 import cramming.hf  # noqa: F401  (registers crammed_bert: our own exports need no remote code)
-from cramming.errors import ConfigError, first_line
+from cramming.errors import ConfigError, check_readable, first_line
 from cramming.eval.backbone import Backbone
 from cramming.eval.blimp import TransformersMaskedLM
 from cramming.model.checkpoint import CheckpointUnreadable
@@ -102,6 +102,18 @@ def naming(path: Path, what: str = "") -> Iterator[None]:
         ) from err
 
 
+def model_folder(folder: str | Path) -> Path:
+    """`folder` as a transformers model folder whose every file this process may read; else FileNotFoundError
+    (no config.json) or DataSourceError (naming the file it may not read)."""
+    folder = Path(folder)
+    check_readable(folder, "checkpoint=hf:<folder>")
+    if not (folder / "config.json").is_file():
+        raise FileNotFoundError(f"{folder} is no transformers model folder: it has no config.json")
+    for path in sorted(folder.iterdir()):
+        check_readable(path, "checkpoint=hf:<folder>")
+    return folder
+
+
 def _dropout(config: PretrainedConfig) -> float:
     """The classifier head's dropout, by the names transformers models use for it."""
     for key in ("classifier_dropout", "hidden_dropout_prob", "hidden_dropout", "dropout"):
@@ -118,9 +130,7 @@ def load_hf_backbone(
 
     trust_remote_code: run modeling code shipped in the folder. Folders exported by cramming need it not.
     """
-    folder = Path(folder)
-    if not (folder / "config.json").is_file():
-        raise FileNotFoundError(f"{folder} is no transformers model folder: it has no config.json")
+    folder = model_folder(folder)
     with naming(folder / "tokenizer.json"):
         tokenizer = load_tokenizer(folder)
     with naming(folder / "config.json"):
@@ -156,9 +166,7 @@ def load_hf_masked_lm(
 ) -> TransformersMaskedLM:
     """A local transformers masked LM (AutoModelForMaskedLM weights, tokenizer.json) for zero-shot scoring
     (BLiMP); its [MASK] id from the tokenizer files."""
-    folder = Path(folder)
-    if not (folder / "config.json").is_file():
-        raise FileNotFoundError(f"{folder} is no transformers model folder: it has no config.json")
+    folder = model_folder(folder)
     with naming(folder / "tokenizer.json"):
         tokenizer = load_tokenizer(folder)
     with naming(folder, "its masked-LM weights"):

@@ -5,7 +5,7 @@ Two things the launcher cannot know are here: the time limit a job asks for (its
 `job_minutes`, a resolver of the launcher configs), and when a job stopped on the scheduler's warning signal
 has saved its state, so that submitit may requeue it (`hand_back_to_launcher`). The requeued job starts in the
 same run folder and continues from the state it finds there (cramming.train.state.own_state; evaluations:
-the finished runs of glue_runs.json). submitit itself is needed only inside such a job: `pip install .[cluster]`.
+the finished runs of glue_runs.json). submitit itself is needed only inside such a job: `pip install '.[cluster]'`.
 """
 
 from __future__ import annotations

@@ -23,12 +23,22 @@ from cramming.errors import (
     RunStopped,
     TrainingDiverged,
     WriteFailed,
+    first_line,
     stop_in_chain,
 )
 from cramming.job.cluster import hand_back_to_launcher
 from cramming.signals import STOP_SIGNALS
 
-__all__ = ["FAILURES", "RunStopped", "end_stopped", "exit_code", "stop_at_once", "stop_in_chain"]
+__all__ = [
+    "FAILURES",
+    "RunStopped",
+    "end_stopped",
+    "exit_code",
+    "failure_message",
+    "out_of_memory",
+    "stop_at_once",
+    "stop_in_chain",
+]
 
 log = logging.getLogger("cramming")
 
@@ -50,12 +60,50 @@ FAILURES: tuple[tuple[type[BaseException], int], ...] = (
 )
 
 
+# what fits in less memory, per entry point: the line an out-of-memory failure ends with
+MEMORY_ADVICE = {
+    "pretrain": "the micro-batch does not fit: use impl.microbatch_size=auto (the fastest that fits, searched at"
+    " start-up) or a smaller impl.microbatch_size; it changes no result beyond rounding, only speed",
+    "eval": "a batch does not fit: use a smaller eval.batch_size (GLUE fine-tuning) or blimp.batch_rows (BLiMP,"
+    " speed only)",
+}
+# how the CPU allocator of PyTorch says it (a RuntimeError, not torch.OutOfMemoryError)
+CPU_ALLOCATOR_FAILED = "can't allocate memory"
+
+
+def out_of_memory(err: BaseException | None) -> BaseException | None:
+    """The out-of-memory error that `err` is or was caused by (a GPU's, or PyTorch's CPU allocator's), or None.
+    Only PyTorch raises them, so this module does not import it: without torch loaded there is none."""
+    torch = sys.modules.get("torch")
+    gpu = (torch.cuda.OutOfMemoryError,) if torch is not None else ()
+    seen: set[int] = set()
+    while isinstance(err, BaseException) and id(err) not in seen:
+        seen.add(id(err))
+        if isinstance(err, gpu) or (isinstance(err, RuntimeError) and CPU_ALLOCATOR_FAILED in str(err)):
+            return err
+        err = err.__cause__ or err.__context__
+    return None
+
+
+def failure_message(err: BaseException, kind: str) -> str:
+    """The one line a failure with an exit_code ends with: its message, or for running out of memory what
+    fits (MEMORY_ADVICE) after the first line of PyTorch's own message."""
+    memory = out_of_memory(err)
+    if memory is None:
+        return str(err)
+    advice = MEMORY_ADVICE.get(kind, MEMORY_ADVICE["pretrain"])
+    return f"out of memory ({first_line(memory)}): {advice}"
+
+
 def exit_code(err: BaseException) -> int | None:
     """The exit status of a failure an input explains, or None for a bug. A stop that other code wrapped in
-    its own error (a library's "error while generating the dataset") is still a stop: 128 + its signal."""
+    its own error (a library's "error while generating the dataset") is still a stop: 128 + its signal. Out of
+    memory is the input's too (a micro-batch too large for the device): USER_ERROR, with failure_message."""
     stopped = stop_in_chain(err)
     if stopped is not None:
         return SIGNAL_BASE + signal.Signals[stopped.signal_name]
+    if out_of_memory(err) is not None:
+        return USER_ERROR
     for kind, code in FAILURES:
         if isinstance(err, kind):
             return code

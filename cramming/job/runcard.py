@@ -378,8 +378,9 @@ def run_job(task: Callable[[DictConfig, RunCard], float | None], cfg: DictConfig
                 raise
             log.exception("job %s failed; the sweep goes on", card.job.get("num"))
             return None
-        log.error("%s", err)
-        card.end("failed", str(err))
+        message = exits.failure_message(err, kind)
+        log.error("%s", message)
+        card.end("failed", message)
         if not multirun:
             sys.exit(code)
         log.error("job %s failed; the sweep goes on", card.job.get("num"))

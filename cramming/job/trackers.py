@@ -180,7 +180,7 @@ def start_trackers(
             warn(
                 name,
                 f"is not installed ({err})",
-                f"pip install {cls.package} (or pip install -e .[trackers])",
+                f"pip install {cls.package} (or pip install -e '.[trackers]')",
             )
         except Exception as err:
             warn(name, f"did not start ({type(err).__name__}: {err})", cls.fix)

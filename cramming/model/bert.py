@@ -21,18 +21,12 @@ from torch import nn
 
 IGNORE_INDEX = -100  # label of positions that are not predicted
 
-# the values each choice of the arch can take (cramming.model.config checks a run's arch against them, the
-# transformers wrapper a config's)
+# the values each choice of the arch can take, described at its field of Arch (cramming.model.config checks a
+# run's arch against them, the transformers wrapper a config's)
 CHOICES = {
-    # glu: gated GELU (cramming); gelu: the plain two-layer FFN of the original BERT
     "ffn": ("glu", "gelu"),
-    # pre: x + f(norm(x)) (cramming); post: norm(x + f(x)) (original BERT)
     "norm_scheme": ("pre", "post"),
-    # scaled-sinusoidal: fixed sinusoids times one learned scale (cramming); learned: a table (original BERT)
     "position_embedding": ("scaled-sinusoidal", "learned"),
-    # none: cramming. alibi: -slope_h * |i - j| added to head h's attention scores (Press et al. 2022,
-    # symmetric), a prior toward nearby tokens; it lets small models leave the unigram plateau within a few
-    # hundred updates where absolute positions alone leave them there (results/cpu-study/)
     "attention_bias": ("none", "alibi"),
 }
 
@@ -42,21 +36,28 @@ class Arch:
     """The model's shape and architectural choices: the `arch` group of the config (cramming.model.config's
     ArchConfig adds the checks). The vocabulary size is not here: it comes from the data."""
 
+    # a short label of the shape (conf/arch/<name>.yaml), recorded with the checkpoint
     name: str = "crammed-bert"
-    num_layers: int = 16
-    hidden_size: int = 768
-    num_heads: int = 12
+    num_layers: int = 16  # transformer blocks
+    hidden_size: int = 768  # width of the hidden states
+    num_heads: int = 12  # attention heads; each is hidden_size / num_heads wide
     # width of the feed-forward up-projection; a gated FFN splits it in two halves (3072 -> gate x GELU(value)
     # of width 1536), so its down-projection reads intermediate_size / 2
     intermediate_size: int = 3072
-    ffn: str = "glu"  # CHOICES["ffn"]
-    norm_scheme: str = "pre"  # CHOICES["norm_scheme"]
+    # glu: gated GELU (cramming); gelu: the plain two-layer FFN of the original BERT
+    ffn: str = "glu"
+    # pre: x + f(norm(x)) (cramming); post: norm(x + f(x)) (original BERT)
+    norm_scheme: str = "pre"
     # biases of the linear layers (QKV, attention output, FFN, head transform)
     bias: bool = False
     # the LayerNorms' additive bias; `bias` above covers only the linear layers
     norm_bias: bool = True
-    position_embedding: str = "scaled-sinusoidal"  # CHOICES["position_embedding"]
-    # an additive bias on the attention scores: CHOICES["attention_bias"]
+    # scaled-sinusoidal: fixed sinusoids times one learned scale (cramming); learned: a table (original BERT)
+    position_embedding: str = "scaled-sinusoidal"
+    # an additive bias on the attention scores. none: cramming. alibi: -slope_h * |i - j| added to head h's
+    # scores (Press et al. 2022, symmetric), a prior toward nearby tokens; it lets small models leave the
+    # unigram plateau within a few hundred updates where absolute positions alone leave them there
+    # (results/cpu-study/)
     attention_bias: str = "none"
     # one slope per head; null: 1, 1/4, 1/16, ... (the first head looks at its neighbours, later ones wider)
     alibi_slopes: list[float] | None = None
@@ -70,11 +71,13 @@ class Arch:
     final_norm: bool = True
     # dense + GELU + LayerNorm before the decoder, as in the original BERT
     head_transform: bool = False
+    # a bias on the decoder's vocabulary logits
     decoder_bias: bool = False
     # the decoder reuses the word-embedding matrix
     tie_embeddings: bool = True
     # run the decoder and the loss only on the masked positions; the loss is the same as with dense prediction
     sparse_prediction: bool = True
+    # the LayerNorms' epsilon
     norm_eps: float = 1e-12
     # dropout on hidden states and attention probabilities when fine-tuning; pretraining uses train.dropout
     dropout: float = 0.1

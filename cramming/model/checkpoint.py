@@ -27,7 +27,7 @@ from safetensors.torch import load_model, save_model
 from tokenizers import Tokenizer
 from torch import nn
 
-from cramming.errors import ConfigError, WriteFailed, first_line
+from cramming.errors import ConfigError, WriteFailed, check_readable, first_line
 from cramming.model.bert import BertForMLM
 from cramming.model.build import build_model
 from cramming.model.config import ArchConfig
@@ -119,8 +119,10 @@ def resolve_checkpoint(
     path_or_name: str | Path, base_dir: str | Path = "outputs", run: str = "latest"
 ) -> Path:
     """The checkpoint folder for a path (a run folder or its checkpoint/) or a run name (its `run` folder,
-    `latest` = newest). Raises FileNotFoundError naming where it looked."""
+    `latest` = newest). Raises FileNotFoundError naming where it looked, DataSourceError for a folder this
+    process may not read."""
     path = Path(path_or_name)
+    check_readable(path, "checkpoint")
     for candidate in (path, path / CHECKPOINT_DIR):
         if (candidate / WEIGHTS).is_file():
             return candidate
@@ -155,7 +157,9 @@ def load_pretrained(path_or_name: str | Path, base_dir: str | Path = "outputs", 
 @contextmanager
 def _naming(path: Path) -> Iterator[None]:
     """Turn a failure to read `path` (SafetensorError, JSONDecodeError, a missing key, ...) into a
-    CheckpointUnreadable that names the file and the fix."""
+    CheckpointUnreadable that names the file and the fix; a file this process may not read is a DataSourceError
+    that says so (not a damaged file)."""
+    check_readable(path, "checkpoint")
     try:
         yield
     except Exception as err:

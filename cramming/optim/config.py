@@ -22,11 +22,15 @@ BACKENDS = ("cramming", "bitsandbytes")
 
 @dataclass
 class OptimConfig:
+    """The optimizer (`train.optim`, and `eval.optim` for fine-tuning): its name and every setting it reads."""
+
     # one of the names in cramming.optim.OPTIMIZERS (Hugging Face `optim` names)
     name: str = "adamw"
+    # the peak learning rate (the schedule scales it)
     lr: float = 1e-3
     # AdamW's (beta1, beta2); Adafactor uses neither (no first moment, beta2 follows 1 - t^-0.8)
     betas: list[float] = field(default_factory=lambda: [0.9, 0.98])
+    # added to the denominator of Adam's update
     eps: float = 1e-12
     # decoupled weight decay; never applied to norms, biases or the embeddings' norm
     weight_decay: float = 0.01

@@ -15,7 +15,7 @@ TENSORBOARD_DIR = "tensorboard"
 class TensorBoardTracker(Tracker):
     name = "tensorboard"
     package = "tensorboard"
-    fix = "pip install tensorboard (or pip install -e .[trackers]), or leave tensorboard out of `trackers`"
+    fix = "pip install tensorboard (or pip install -e '.[trackers]'), or leave tensorboard out of `trackers`"
 
     def __init__(self, settings: TrackingConfig, info: RunInfo) -> None:
         super().__init__(settings, info)

@@ -54,6 +54,17 @@ def largest_divisor(number: int, at_most: int) -> int:
     return max(d for d in range(1, max(1, min(number, at_most)) + 1) if number % d == 0)
 
 
+def nearest_microbatches(per_process: int, microbatch_size: int) -> str:
+    """The micro-batch sizes nearest to the one asked for that form `per_process` sequences exactly: the nearest
+    first, then the one on the other side of it (a smaller one fits in less memory)."""
+    below = largest_divisor(per_process, microbatch_size)
+    above = next((d for d in range(microbatch_size + 1, per_process + 1) if per_process % d == 0), None)
+    if above is None:
+        return f"impl.microbatch_size={below}"
+    near, other = (above, below) if above - microbatch_size < microbatch_size - below else (below, above)
+    return f"impl.microbatch_size={near} (the nearest that divides it) or {other}"
+
+
 def check_batch_division(batch_size: int, microbatch_size: int | str, world_size: int = 1) -> None:
     """train.batch_size must be formed exactly from micro-batches of impl.microbatch_size on each of
     `world_size` processes: a batch the micro-batch does not divide would train another batch size than the
@@ -66,7 +77,7 @@ def check_batch_division(batch_size: int, microbatch_size: int | str, world_size
     fits = batch_size % world_size == 0  # else no micro-batch forms it on every process alike
     where = f" on each of {world_size} processes" if world_size > 1 else ""
     hint = (
-        f"impl.microbatch_size={largest_divisor(batch_size // world_size, microbatch_size)}"
+        nearest_microbatches(batch_size // world_size, microbatch_size)
         if fits
         else "another train.batch_size"
     )

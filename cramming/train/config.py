@@ -26,12 +26,14 @@ class MLMConfig:
     # count: exactly round(mask_fraction * seq_length) tokens per row (static shapes, cramming);
     # probability: each token independently with probability mask_fraction (original BERT, 15%)
     mode: str = "count"
+    # the share of each row's tokens chosen for prediction (cramming: 0.25)
     mask_fraction: float = 0.25
     # choose whole words: all the pieces of a word or none (WordPiece's `##` pieces); count mode then fills up
     # to round(mask_fraction * seq_length) with whole words only
     whole_words: bool = False
     # of the chosen tokens: this share becomes [MASK], `random_fraction` a random token, the rest stay as is
     mask_token_fraction: float = 0.8
+    # of the chosen tokens: this share becomes a random token
     random_fraction: float = 0.1
 
     def __post_init__(self) -> None:
@@ -72,6 +74,9 @@ class AverageConfig:
 
 @dataclass
 class TrainConfig:
+    """The `train` group: the recipe (objective, schedule, batch size, optimizer, stops and checkpoints)."""
+
+    # a short label of the recipe (conf/train/<name>.yaml)
     name: str = "bert-o4"
     optim: OptimConfig = field(default_factory=OptimConfig)
     mlm: MLMConfig = field(default_factory=MLMConfig)

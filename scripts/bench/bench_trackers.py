@@ -6,7 +6,7 @@ drift in the machine's load falls on both), several rounds. Prints every run and
 
 Throughput is measured between the first and the last metrics record of a run: the updates with their
 logging (where the trackers work, on the main thread, at log steps) and nothing of the set-up, the trackers'
-start-up (before the budget clock) or the final validation. Needs pip install -e .[trackers].
+start-up (before the budget clock) or the final validation. Needs pip install -e '.[trackers]'.
 """
 
 from __future__ import annotations
