@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from cramming.budget import Costs
-from cramming.errors import ConfigError
+from cramming.errors import ConfigError, check_readable
 
 CALIBRATION_DIR = Path(__file__).resolve().parent.parent / "conf" / "calibration"
 FORMAT = 1
@@ -99,6 +99,7 @@ def read_calibration(path: Path) -> dict:
     """A calibration file, checked. ConfigError naming the file and the fix when it is absent, unreadable
     or not a calibration."""
     fix = f"measure this machine with `{COMMAND} <the run's overrides>`, or set train.calibration to a file"
+    check_readable(path, "train.calibration")  # one line naming the permission, exit 2
     try:
         text = path.read_bytes()
     except FileNotFoundError as err:

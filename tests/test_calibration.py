@@ -161,6 +161,7 @@ def test_the_shape_holds_what_costs_time_and_not_what_does_not(tmp_path):
 # -------------------------------------------------------------------------------------------- the command
 
 
+@pytest.mark.slow  # prepares the embedded corpus and measures two recipes
 def test_the_command_measures_a_recipe_and_merges_it_into_the_file(tmp_path, monkeypatch):
     out = tmp_path / "here.json"
     common = ["arch=tiny", "data=embedded", "data.tokenizer.vocab_size=1024", "data.seq_length=32",

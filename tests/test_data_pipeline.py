@@ -114,7 +114,7 @@ def test_filters_can_be_switched_off(tmp_path, wiki_texts, data_config):
 # ---------------------------------------------------------------- tokenizers
 
 
-@pytest.mark.parametrize("kind", ["wordpiece", "bpe", "unigram"])
+@pytest.mark.parametrize("kind", ["wordpiece", "bpe", pytest.param("unigram", marks=pytest.mark.slow)])
 def test_tokenizer_round_trip_and_special_ids(kind, wiki_texts):
     norm_cfg = NormalizerConfig()
     norm = build_normalizer(norm_cfg)
@@ -304,7 +304,14 @@ def test_join_with_separator():
     assert join_with_separator(values, offsets, 9).tolist() == [1, 2, 9, 9, 3, 4, 5, 6, 9]
 
 
-@pytest.mark.parametrize(("seq_length", "row_start"), [(16, "none"), (128, "none"), (16, "cls")])
+@pytest.mark.parametrize(
+    ("seq_length", "row_start"),
+    [
+        pytest.param(16, "none", marks=pytest.mark.slow),
+        (128, "none"),
+        pytest.param(16, "cls", marks=pytest.mark.slow),
+    ],
+)
 def test_rows_are_exact_and_reproduce_the_documents(tmp_path, corpus, data_config, seq_length, row_start):
     """Every row has seq_length tokens; the rows, concatenated, are the documents joined with [SEP]. With
     data.row_start=cls each row is [CLS] and then the next seq_length - 1 tokens of that stream."""
@@ -351,6 +358,7 @@ def test_row_start_is_checked_and_only_its_new_value_changes_the_cache_key(corpu
     assert pipeline_module.cache_key(plain) == default_key
 
 
+@pytest.mark.slow
 def test_orderings_and_row_cap(tmp_path, corpus, data_config):
     # The orderings are applied to one build's rows: WordPiece training in `tokenizers` breaks ties in a
     # per-process hash order, so two builds of the same config may differ in a few vocabulary entries.

@@ -195,6 +195,7 @@ def test_a_stop_wrapped_by_datasets_is_a_stop_not_a_bad_file(tmp_path, monkeypat
         load_source(SourceConfig(kind="hub", path="some/corpus"), tmp_path / "hf")
 
 
+@pytest.mark.slow
 def test_embedded_corpus_is_real_english_prose():
     docs = list(embedded.iter_stdlib_docs())
     text = " ".join(d["text"] for d in docs)

@@ -190,6 +190,7 @@ def test_bad_rows_fail_unless_skipped_and_then_are_counted(sst2, tmp_path, glue_
     )
 
 
+@pytest.mark.slow
 def test_eval_py_fails_with_exit_2_and_a_failed_card_when_a_named_task_has_no_data(sst2, tmp_path):
     import subprocess
     import sys
@@ -281,6 +282,7 @@ def test_glue_head_is_crammings_by_default_and_the_bare_linear_one_is_selectable
         EvalConfig(head=HeadConfig(pooler="max"))
 
 
+@pytest.mark.slow
 def test_fine_tuning_in_bf16_autocast_on_cpu(sst2):
     """The GPU's autocast path, exercised on the CPU: fine-tuning in bf16 still fits the training subset."""
     subset, checkpoint = sst2

@@ -53,7 +53,7 @@ SHAPES = [
     (1, 1, 1, 32, None),
     (1, 2, 7, 64, None),
     (2, 2, 100, 32, [100, 37]),
-    (3, 1, 129, 64, [129, 65, 0]),  # the last sequence has no real token
+    pytest.param((3, 1, 129, 64, [129, 65, 0]), marks=pytest.mark.slow),  # the last sequence: no real token
     (1, 1, 33, 48, [20]),  # head_dim not a power of two
     (1, 1, 65, 128, [50]),  # head_dim 128: narrower key blocks, so the separate dQ pass
 ]
@@ -231,12 +231,12 @@ def _default_slopes(heads: int) -> list[float]:
 ALIBI_SHAPES = [
     (1, 1, 1, 32, None, [1.0]),
     (2, 2, 100, 32, [100, 37], [1.0, 0.0]),
-    (3, 1, 129, 64, [129, 65, 0], [0.5]),
+    pytest.param((3, 1, 129, 64, [129, 65, 0], [0.5]), marks=pytest.mark.slow),
     (1, 2, 33, 48, [20], [0.0, 1.0]),
     (1, 2, 65, 128, [50], [1.0, 0.0]),
-    (2, 2, 128, 64, [128, 77], _default_slopes(2)),  # bert-tiny
-    (2, 4, 128, 64, [128, 90], _default_slopes(4)),  # bert-mini
-    (1, 12, 128, 64, None, _default_slopes(12)),  # crammed-bert, pretraining (no padding)
+    pytest.param((2, 2, 128, 64, [128, 77], _default_slopes(2)), marks=pytest.mark.slow),  # bert-tiny
+    pytest.param((2, 4, 128, 64, [128, 90], _default_slopes(4)), marks=pytest.mark.slow),  # bert-mini
+    pytest.param((1, 12, 128, 64, None, _default_slopes(12)), marks=pytest.mark.slow),  # crammed-bert
 ]
 
 
@@ -285,7 +285,7 @@ def test_alibi_slope_zero_is_no_bias():
     assert not torch.allclose(with_zero[:, 0], plain[:, 0])
 
 
-@pytest.mark.parametrize("blocks", ["auto", "small"])
+@pytest.mark.parametrize("blocks", ["auto", pytest.param("small", marks=pytest.mark.slow)])
 def test_alibi_with_dropout_matches_reference_with_the_same_mask(blocks):
     p, seq = 0.3, 129
     q, k, v, mask = _inputs(2, 2, seq, 32, [70, 0], torch.float32)  # a padded and an empty sequence
@@ -326,7 +326,7 @@ def test_alibi_under_torch_compile_and_bad_slopes():
 # Dropout
 
 
-@pytest.mark.parametrize("blocks", ["auto", "small"])
+@pytest.mark.parametrize("blocks", ["auto", pytest.param("small", marks=pytest.mark.slow)])
 def test_dropout_matches_reference_with_the_same_mask(blocks):
     p = 0.3
     q, k, v, mask = _inputs(2, 1, 129, 32, [70, 0], torch.float32)  # a padded and an empty sequence

@@ -85,6 +85,7 @@ def test_a_bare_import_kernels_at_the_root_is_an_empty_package_when_no_such_pack
 
 
 @pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="transformers not installed")
+@pytest.mark.slow
 def test_transformers_imports_its_models_from_the_root():
     # transformers >= 5 imports the `kernels` distribution (when installed) as it loads modeling_utils
     done = run_at_root("from transformers import PreTrainedModel; print(PreTrainedModel.__name__)")

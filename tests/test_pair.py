@@ -89,6 +89,7 @@ def test_the_probe_scores_identical_pairs_above_unrelated_ones(tiny_backbone):
         pair_probe(backbone, first[:1], second[:1], scores[:1])
 
 
+@pytest.mark.slow
 def test_the_probe_script_prints_one_line_per_checkpoint_and_refuses_bad_input(tiny_backbone, glue_dir):
     checkpoint, _ = tiny_backbone
     command = [sys.executable, str(ROOT / "scripts" / "pair_probe.py")]
