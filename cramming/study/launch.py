@@ -50,7 +50,7 @@ def launcher_args(study: StudyConfig, at_once: int) -> list[str]:
     if at_once > 1:
         if importlib.util.find_spec("hydra_plugins.hydra_joblib_launcher") is None:
             raise ConfigError(
-                f"parallel: {at_once} runs at once need Hydra's joblib launcher: pip install -e .[cluster]"
+                f"parallel: {at_once} runs at once need Hydra's joblib launcher: pip install -e '.[cluster]'"
                 " (or set parallel: 1)"
             )
         return ["hydra/launcher=joblib", f"hydra.launcher.n_jobs={at_once}", *study.launcher_overrides]
