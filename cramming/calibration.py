@@ -119,13 +119,13 @@ def read_calibration(path: Path) -> dict:
 def reference_costs(name: str, shape: dict, overrides: str = "<the run's overrides>") -> tuple[Costs, dict]:
     """The calibrated costs of `shape` in calibration `name`, and their source (file, hash, machine) for the
     logs and the run card. A shape the file lacks is refused in one line naming the command that measures it."""
-    path = calibration_path(name)
+    path, key, described = calibration_path(name), shape_key(shape), describe_shape(shape)
     saved = read_calibration(path)
-    entry = saved["entries"].get(shape_key(shape))
+    entry = saved["entries"].get(key)
     if entry is None:
         raise ConfigError(
-            f"train.clock=reference: {path} has no entry for this recipe's shape ({describe_shape(shape)});"
-            f" measure it on the reference machine with `{COMMAND} {overrides}`, or use train.clock=wall"
+            f"train.clock=reference: {path} has no entry for this recipe's shape ({described}); measure it on"
+            f" the reference machine with `{COMMAND} {overrides}`, or use train.clock=wall"
         )
     costs = Costs(setup=entry["setup_s"], microbatch=entry["microbatch_s"], update=entry["update_s"])
     source = {
@@ -133,7 +133,7 @@ def reference_costs(name: str, shape: dict, overrides: str = "<the run's overrid
         "sha256": saved["sha256"],
         "machine": saved.get("machine", {}).get("cpu"),
         "gpu": saved.get("machine", {}).get("gpu"),
-        "shape_key": shape_key(shape),
+        "shape_key": key,
     }
     return costs, source
 
