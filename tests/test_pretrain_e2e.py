@@ -110,7 +110,7 @@ def test_sigterm_then_resume_continues_the_budget(wiki_shard, base_dir):
     assert process.returncode == 128 + signal.SIGTERM, output[-4000:]
     assert "resume=true" in output
     (interrupted,) = runs(base_dir, "resume")
-    state = train_state.load_state(interrupted / train_state.STATE)
+    state = train_state.read_state(interrupted / train_state.STATE)
     assert not (interrupted / model_checkpoint.CHECKPOINT_DIR).exists()
 
     time.sleep(1.1)  # run folders are named by the second
@@ -121,8 +121,8 @@ def test_sigterm_then_resume_continues_the_budget(wiki_shard, base_dir):
     resumed = runs(base_dir, "resume")[-1]
     assert resumed != interrupted
     records = [r for r in metrics(resumed) if "loss" in r]
-    assert records[0]["update"] > state["progress"]["updates"]
+    assert records[0]["update"] > state.updates
     # the budget counted on from the interrupted part: it ends at 0.005 h in all, not 0.005 h more
     assert records[-1]["elapsed_h"] == pytest.approx(0.005, rel=0.15)
-    assert state["elapsed"] / 3600 < 0.005
+    assert state.elapsed / 3600 < 0.005
     assert (resumed / model_checkpoint.CHECKPOINT_DIR / model_checkpoint.WEIGHTS).is_file()

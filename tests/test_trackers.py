@@ -547,7 +547,7 @@ def kill_past_a_save(process: subprocess.Popen, runs: Path, wait_s: float = 400)
     run folder, the update of that state, the last update it logged). The process is paused (SIGSTOP) while
     its state, metrics.jsonl and trackers.json are read, so they are what it leaves when it dies; it is killed
     where its trackers.json has noted the last record it handed to W&B, once W&B has written that record."""
-    from cramming.train.state import StateUnreadable, load_state
+    from cramming.train.state import StateUnreadable, read_state
 
     deadline = time.monotonic() + wait_s
     while time.monotonic() < deadline:
@@ -559,7 +559,7 @@ def kill_past_a_save(process: subprocess.Popen, runs: Path, wait_s: float = 400)
         run_dir = found[-1].parent
         os.kill(process.pid, signal.SIGSTOP)
         try:
-            saved = load_state(run_dir / "state.pt")["progress"]["updates"]
+            saved = read_state(run_dir / "state.pt").updates
             logged = json.loads((run_dir / session.IDS_FILE).read_text())["wandb"]["logged"]["update"]
             last = metrics(run_dir)[-1]["update"]
         except (OSError, ValueError, KeyError, StateUnreadable):  # a line or file half written: look again
