@@ -35,7 +35,7 @@ def study(tmp_path):
 def started(monkeypatch) -> list[list[str]]:
     """The command lines the study starts; none of them runs."""
     calls: list[list[str]] = []
-    monkeypatch.setattr(launch, "call", lambda argv: calls.append(argv[2:]) or 0)
+    monkeypatch.setattr(launch, "call", lambda *argvs: calls.extend(argv[2:] for argv in argvs) or 0)
     return calls
 
 
@@ -115,6 +115,26 @@ def test_pretraining_on_the_wall_clock_runs_one_at_a_time_and_evaluations_n_at_o
     assert reference.at_once("base") == 2 and reference.at_once("fast") == 1 and reference.at_once(None) == 2
 
 
+def test_runs_that_may_share_the_machine_go_side_by_side_seed_by_seed(study, monkeypatch):
+    pytest.importorskip(
+        "hydra_plugins.hydra_joblib_launcher", reason="the cluster extra: pip install .[cluster]"
+    )
+    waves: list[list[list[str]]] = []
+    monkeypatch.setattr(launch, "call", lambda *argvs: waves.append([a[2:] for a in argvs]) or 0)
+    name, config = study("parallel=2", "stages=[pretrain]", "seeds=[0,1,2]", "pretrain=[train.clock=reference]")
+    stopped = pretraining(name, config, "fast-1-s1", 1, status="interrupted")
+    (stopped / "state.pt").write_bytes(b"")
+    runner.run_study(name, config)
+    # three waves of two: each seed's recipes together; the stopped run beside the fresh one of its seed
+    assert len(waves) == 3
+    assert [sorted(a for a in c if a.startswith(("seed=", "name="))) for c in waves[0]] == [
+        ["name=s-base-1", "seed=0"], ["name=s-fast-1", "seed=0"]
+    ]  # fmt: skip
+    assert waves[1][0][-1] == f"hydra.run.dir={stopped}" and "seed=1" in waves[1][0]
+    assert "name=s-base-1" in waves[1][1] and "seed=1" in waves[1][1]
+    assert all(len(wave) == 2 and not any("n_jobs" in a for c in wave for a in c) for wave in waves)
+
+
 def test_an_evaluation_whose_pretraining_is_not_here_is_refused(study):
     name, config = study("stages=[blimp]")
     with pytest.raises(ConfigError, match="no finished pretraining"):
@@ -144,7 +164,7 @@ def test_finished_runs_are_kept_with_the_runs_that_shared_the_machine(study):
 
 
 def test_a_failed_run_stops_the_study_non_zero(study, monkeypatch):
-    monkeypatch.setattr(launch, "call", lambda argv: 3)
+    monkeypatch.setattr(launch, "call", lambda *argvs: 3)
     name, config = study("stages=[pretrain]")
     with pytest.raises(runner.StageFailed, match="exit 3"):
         runner.run_study(name, config)

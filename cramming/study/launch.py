@@ -66,30 +66,32 @@ def entry_point(kind: str) -> str:
     return str(path)
 
 
-def multirun(kind: str, overrides: list[str], key: str, values: list[str], launcher: list[str]) -> int:
-    """`python <kind>.py -m <overrides> key=v1,v2,... <launcher>`: one job per value. Returns its exit status."""
-    argv = [sys.executable, entry_point(kind), "-m", *overrides, f"{key}={','.join(values)}", *launcher]
-    return call(argv)
+def multirun(kind: str, overrides: list[str], key: str, values: list[str], launcher: list[str]) -> list[str]:
+    """`python <kind>.py -m <overrides> key=v1,v2,... <launcher>`: one job per value (a command for `call`)."""
+    return [sys.executable, entry_point(kind), "-m", *overrides, f"{key}={','.join(values)}", *launcher]
 
 
-def again_in(kind: str, overrides: list[str], folder: Path) -> int:
-    """The run of these overrides once more in its own folder, where it finds what it kept."""
-    return call([sys.executable, entry_point(kind), *overrides, f"hydra.run.dir={folder}"])
+def again_in(kind: str, overrides: list[str], folder: Path) -> list[str]:
+    """The run of these overrides once more in its own folder, where it finds what it kept (a command)."""
+    return [sys.executable, entry_point(kind), *overrides, f"hydra.run.dir={folder}"]
 
 
-def call(argv: list[str]) -> int:
-    """Run a command in a process group of its own, passing a stop signal of this process on to all of it
-    (the runs keep what they have; a launcher's workers are in the group too). Raises StudyStopped then."""
-    log.info("$ %s", shlex.join(["python", *argv[1:]]))
+def call(*argvs: list[str]) -> int:
+    """Run commands side by side, each in a process group of its own, passing a stop signal of this process on
+    to all of them (the runs keep what they have; a launcher's workers are in the groups too). Returns the
+    first non-zero exit status, else 0; raises StudyStopped after a stop signal."""
+    for argv in argvs:
+        log.info("$ %s", shlex.join(["python", *argv[1:]]))
     received: list[int] = []
     previous = {sig: signal.signal(sig, lambda signum, frame: received.append(signum)) for sig in STOPS}
-    proc = subprocess.Popen(argv, start_new_session=True)
+    procs = [subprocess.Popen(argv, start_new_session=True) for argv in argvs]
     passed = 0
     try:
-        while proc.poll() is None:
+        while any(proc.poll() is None for proc in procs):
             for signum in received[passed:]:  # a second Ctrl-C too: the runs then stop without saving
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signum)
+                for proc in procs:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(proc.pid, signum)
                 passed += 1
             time.sleep(0.2)
     finally:
@@ -97,7 +99,7 @@ def call(argv: list[str]) -> int:
             signal.signal(sig, handler)
     if received:
         raise StudyStopped(received[0])
-    return proc.returncode
+    return next((proc.returncode for proc in procs if proc.returncode != 0), 0)
 
 
 class LoadSampler:

@@ -256,26 +256,53 @@ def continue_stopped(study: Study, stage: str, kind: str) -> None:
         folder = None if where is None else stopped(*where, stage)
         if folder is not None:
             log.info("%s: continuing its %s in %s", point.label, stage, folder)
-            sampled(study, [point], functools.partial(launch.again_in, kind, where[1], folder))
+            sampled(study, [point], functools.partial(launch.call, launch.again_in(kind, where[1], folder)))
+
+
+def seeds_multirun(study: Study, batch: list[Point], at_once: int) -> list[str]:
+    """The command of one multirun over the seeds of points that share a recipe and budget."""
+    overrides = stage_run(study, batch[0], "pretrain")[1]
+    common = [o for o in overrides if not o.startswith("seed=")]
+    seeds = list(dict.fromkeys(str(p.seed) for p in batch))
+    return launch.multirun("pretrain", common, "seed", seeds, launch.launcher_args(study.config, at_once))
 
 
 def run_pretraining(study: Study) -> None:
-    """The pretraining runs not done yet: stopped ones continued, the others one multirun per recipe and budget
-    (their seeds), N at once where the clock allows it."""
+    """The pretraining runs not done yet: on the wall clock one at a time (stopped ones continued first, then
+    one multirun per recipe and budget over its seeds); runs that may share the machine side by side."""
+    waiting = todo(study, "pretrain")
+    if study.config.parallel > 1 and waiting and all(study.at_once(p.recipe) > 1 for p in waiting):
+        run_side_by_side(study, waiting)
+        return
+    if any(study.at_once(p.recipe) < study.config.parallel for p in waiting):
+        log.info("the wall clock, so one pretraining at a time (train.clock=reference lets runs share a machine)")
     continue_stopped(study, "pretrain", "pretrain")
     groups: dict[str, list[Point]] = {}
     for point in todo(study, "pretrain"):
         groups.setdefault(point.group, []).append(point)
     for batch in groups.values():
-        overrides = stage_run(study, batch[0], "pretrain")[1]
-        common = [o for o in overrides if not o.startswith("seed=")]
-        seeds = list(dict.fromkeys(str(p.seed) for p in batch))
-        at_once = study.at_once(batch[0].recipe)
-        if at_once < study.config.parallel:
-            log.info("%s: the wall clock, so one run at a time (train.clock=reference lets runs share a machine)",
-                     batch[0].recipe)  # fmt: skip
-        launcher = launch.launcher_args(study.config, at_once)
-        sampled(study, batch, functools.partial(launch.multirun, "pretrain", common, "seed", seeds, launcher))
+        sampled(study, batch, functools.partial(launch.call, seeds_multirun(study, batch, 1)))
+
+
+def run_side_by_side(study: Study, waiting: list[Point]) -> None:
+    """`parallel` pretraining runs at a time, seed by seed (each wave compares recipes on the same seeds, so a
+    study stopped early holds paired runs): a stopped run continues in its folder beside the wave's new runs,
+    which go as one multirun per recipe and budget."""
+    order = sorted(waiting, key=lambda p: p.seed)  # stable: the study's order within a seed
+    size = study.config.parallel
+    for wave in (order[i : i + size] for i in range(0, len(order), size)):
+        commands, fresh = [], {}
+        for point in wave:
+            where = stage_run(study, point, "pretrain")
+            folder = stopped(*where, "pretrain")
+            if folder is not None:
+                log.info("%s: continuing its pretraining in %s", point.label, folder)
+                commands.append(launch.again_in("pretrain", where[1], folder))
+            else:
+                fresh.setdefault(point.group, []).append(point)
+        commands += [seeds_multirun(study, batch, len(batch)) for batch in fresh.values()]
+        log.info("side by side: %s", ", ".join(p.label for p in wave))
+        sampled(study, wave, functools.partial(launch.call, *commands))
 
 
 def run_evaluation(study: Study, stage: str) -> None:
@@ -306,7 +333,7 @@ def run_evaluation(study: Study, stage: str) -> None:
     sampled(
         study,
         waiting,
-        functools.partial(launch.multirun, "eval", common, "checkpoint", checkpoints, launcher),
+        functools.partial(launch.call, launch.multirun("eval", common, "checkpoint", checkpoints, launcher)),
     )
 
 
