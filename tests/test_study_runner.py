@@ -121,7 +121,9 @@ def test_runs_that_may_share_the_machine_go_side_by_side_seed_by_seed(study, mon
     )
     waves: list[list[list[str]]] = []
     monkeypatch.setattr(launch, "call", lambda *argvs: waves.append([a[2:] for a in argvs]) or 0)
-    name, config = study("parallel=2", "stages=[pretrain]", "seeds=[0,1,2]", "pretrain=[train.clock=reference]")
+    name, config = study(
+        "parallel=2", "stages=[pretrain]", "seeds=[0,1,2]", "pretrain=[train.clock=reference]"
+    )
     stopped = pretraining(name, config, "fast-1-s1", 1, status="interrupted")
     (stopped / "state.pt").write_bytes(b"")
     runner.run_study(name, config)

@@ -275,7 +275,9 @@ def run_pretraining(study: Study) -> None:
         run_side_by_side(study, waiting)
         return
     if any(study.at_once(p.recipe) < study.config.parallel for p in waiting):
-        log.info("the wall clock, so one pretraining at a time (train.clock=reference lets runs share a machine)")
+        log.info(
+            "the wall clock, so one pretraining at a time (train.clock=reference lets runs share a machine)"
+        )
     continue_stopped(study, "pretrain", "pretrain")
     groups: dict[str, list[Point]] = {}
     for point in todo(study, "pretrain"):
