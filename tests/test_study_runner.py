@@ -188,3 +188,11 @@ def test_each_model_shape_gets_its_floor_from_a_run_of_its_own_shape(study, monk
     assert set(kept.read_floors(Path(config.keep))) == {"tiny", "tiny.num_layers=3"}
     runner.run_study(name, config)
     assert len(drawn) == 2  # kept: not drawn again
+
+
+def test_the_load_is_told_only_for_a_window_the_sampling_watched():
+    sampler = launch.LoadSampler(every=30.0)
+    sampler.samples = [(1000.0, 1.0), (1030.0, 3.0), (1060.0, 2.0)]
+    assert sampler.summary(1000.0, 1060.0) == {"mean": 2.0, "max": 3.0, "samples": 3}
+    assert sampler.summary(1031.0, 1040.0)["samples"] == 1  # a short run between two samples: the nearest
+    assert sampler.summary(0.0, 900.0) is None  # a pretraining made before this stage began sampling

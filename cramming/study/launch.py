@@ -126,7 +126,10 @@ class LoadSampler:
         self._thread.join()
 
     def summary(self, start: float, end: float) -> dict | None:
-        """Mean and max of the samples within [start, end] (the nearest one when none falls inside)."""
+        """Mean and max of the samples within [start, end] (the nearest one when none falls inside); None for a
+        window the sampling did not watch (a run made before it, as an evaluation stage sees its pretraining)."""
+        if not self.samples or start < self.samples[0][0] - self.every:
+            return None
         inside = [load for t, load in self.samples if start <= t <= end]
         if not inside and self.samples:
             inside = [min(self.samples, key=lambda s: min(abs(s[0] - start), abs(s[0] - end)))[1]]
