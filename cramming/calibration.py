@@ -95,6 +95,15 @@ def calibration_path(name: str) -> Path:
     return CALIBRATION_DIR / f"{name}.json"
 
 
+def shown_path(path: Path) -> str:
+    """How logs, run cards and states name a calibration file: a committed one by its place in the repository
+    (the same in every clone, so a state resumes in another checkout and kept results name no machine's folder),
+    any other by its path."""
+    if path.resolve().parent == CALIBRATION_DIR:
+        return f"conf/calibration/{path.name}"
+    return str(path)
+
+
 def read_calibration(path: Path) -> dict:
     """A calibration file, checked. ConfigError naming the file and the fix when it is absent, unreadable
     or not a calibration."""
@@ -129,7 +138,7 @@ def reference_costs(name: str, shape: dict, overrides: str = "<the run's overrid
         )
     costs = Costs(setup=entry["setup_s"], microbatch=entry["microbatch_s"], update=entry["update_s"])
     source = {
-        "calibration": str(path),
+        "calibration": shown_path(path),
         "sha256": saved["sha256"],
         "machine": saved.get("machine", {}).get("cpu"),
         "gpu": saved.get("machine", {}).get("gpu"),

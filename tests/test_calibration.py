@@ -223,7 +223,7 @@ def test_with_a_committed_calibration_a_run_alone_and_one_beside_a_busy_process_
     clock = cards[0]["metrics"]["clock"]
     assert (
         clock["clock"] == "reference"
-        and clock["calibration"].endswith("cpu-epyc-avx2.json")
+        and clock["calibration"] == "conf/calibration/cpu-epyc-avx2.json"  # the same in every clone
         and clock["sha256"]
     )
     weights = [
@@ -257,3 +257,11 @@ def test_every_committed_calibration_reads_and_says_what_it_charges():
         for key, entry in saved["entries"].items():
             assert calibration.shape_key(entry["shape"]) == key, path
             assert min(entry["microbatch_s"], entry["update_s"]) > 0 and entry["setup_s"] >= 0
+
+
+def test_a_committed_calibration_is_named_by_its_place_in_the_repository(tmp_path):
+    assert calibration.shown_path(calibration.calibration_path("cpu-epyc-avx2")) == (
+        "conf/calibration/cpu-epyc-avx2.json"
+    )
+    elsewhere = tmp_path / "mine.json"
+    assert calibration.shown_path(calibration.calibration_path(str(elsewhere))) == str(elsewhere)
