@@ -17,8 +17,9 @@ the compiler's cache on disk).
 
 The file (train.calibration of the first recipe, or --out) gains one entry per new recipe shape. An entry already
 there is kept, since runs were charged its costs and must stay comparable: its recipe is measured again beside
-the new ones and the ratio printed (how this machine's speed now compares with when the entry was made), and
---remeasure replaces it. A file is one machine's: one measured on another machine is refused (name another).
+the new ones and the ratio printed (how this machine's speed now compares with when the entry was made), the new
+entries are put on the file's scale by that ratio (so a study's recipes are charged at one speed however many days
+apart they were measured: calibrate a kept recipe of the study beside new ones), and --remeasure replaces it. A file is one machine's: one measured on another machine is refused (name another).
 Run it alone on the machine, as a wall-clock measurement should be.
 """
 
@@ -223,6 +224,7 @@ def write(path: Path, entries: dict[str, dict], remeasure: bool = False) -> dict
         )
     kept = saved["entries"] if saved else {}
     unchanged = {} if remeasure else {key: kept[key] for key in entries if key in kept}
+    entries = on_the_files_scale(entries, unchanged)
     document = {
         "format": calibration.FORMAT,
         "machine": saved["machine"] if saved and not remeasure else here,
@@ -232,6 +234,27 @@ def write(path: Path, entries: dict[str, dict], remeasure: bool = False) -> dict
     }
     atomic_write_text(path, json.dumps(document, indent=1, sort_keys=True) + "\n")
     return unchanged
+
+
+def on_the_files_scale(entries: dict[str, dict], unchanged: dict[str, dict]) -> dict[str, dict]:
+    """The new entries put on the scale of the ones kept: the machine runs a little faster or slower from one day
+    to the next, and entries measured on different days would charge two recipes of one study at two speeds. The
+    kept recipes measured again in the same rounds say by how much (the median of kept / now); the new entries'
+    costs are multiplied by it, and say so. Without a kept recipe among those measured, nothing is scaled."""
+    ratios = [unchanged[key]["microbatch_s"] / entries[key]["microbatch_s"] for key in unchanged]
+    if not ratios:
+        return entries
+    by = statistics.median(ratios)
+    scaled = {}
+    for key, value in entries.items():
+        if key in unchanged:
+            continue
+        value = {**value, "scaled": {"by": by, "to_the_kept": sorted(unchanged)}}
+        for cost in ("microbatch_s", "update_s", "setup_s"):
+            value[cost] *= by
+        value["spread"] = {k: [v * by for v in pair] for k, pair in value["spread"].items()}
+        scaled[key] = value
+    return {**entries, **scaled}
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:

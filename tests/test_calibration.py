@@ -265,3 +265,21 @@ def test_a_committed_calibration_is_named_by_its_place_in_the_repository(tmp_pat
     )
     elsewhere = tmp_path / "mine.json"
     assert calibration.shown_path(calibration.calibration_path(str(elsewhere))) == str(elsewhere)
+
+
+def test_new_entries_are_put_on_the_scale_of_the_kept_ones_measured_beside_them():
+    def measured(microbatch: float) -> dict:
+        return {"microbatch_s": microbatch, "update_s": 0.01, "setup_s": 2.0,
+                "spread": {"microbatch_s": [microbatch, microbatch], "update_s": [0.01, 0.01]}}  # fmt: skip
+
+    # the machine runs 4% faster today: the kept control measures 0.96 s where its entry says 1.0
+    entries = {"control": measured(0.96), "new": measured(1.2)}
+    put = calibrate.on_the_files_scale(entries, {"control": measured(1.0)})
+    assert put["control"] == entries["control"]  # kept as it was by write()
+    assert put["new"]["microbatch_s"] == pytest.approx(1.25) and put["new"]["setup_s"] == pytest.approx(
+        2.0 / 0.96
+    )
+    assert put["new"]["scaled"] == {"by": pytest.approx(1 / 0.96), "to_the_kept": ["control"]}
+    assert (
+        calibrate.on_the_files_scale(entries, {}) == entries
+    )  # nothing kept among them: nothing to scale by
