@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 
 from cramming.errors import ConfigError
+from cramming.job.runcard import read_card
 from cramming.study.config import StudyConfig
 from cramming.study.plan import Point
 from cramming.utils import atomic_write_text
@@ -51,7 +52,7 @@ def keep_run(keep: Path, point: Point, overrides: list[str], finished: dict[str,
     for key, per_stage in extra.items():
         record[key] = record.get(key, {}) | per_stage
     if "pretrain" in finished:
-        card = json.loads((finished["pretrain"] / "run_card.json").read_text())
+        card = read_card(finished["pretrain"])  # finished: its card said ok when the runner found it
         record["pretraining_card"] = card
         record["arch"] = card["config"]["arch"]["name"]
     for stage, file in STAGE_FILES.items():
