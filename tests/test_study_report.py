@@ -89,6 +89,35 @@ def test_one_run_each_is_said_to_have_no_spread_and_other_machines_are_not_compa
     assert unmatched == ["new at 60 min (Y, bfloat16)"]
 
 
+def on_the_reference_clock(record: dict, calibration: str, sha: str, machine: str = "AMD EPYC") -> dict:
+    card = record["pretraining_card"]
+    card["config"] = {"train": {"clock": "reference"}}
+    card["metrics"]["clock"] = {
+        "clock": "reference",
+        "calibration": calibration,
+        "sha256": sha,
+        "machine": machine,
+    }
+    return record
+
+
+def test_reference_clock_runs_name_their_calibrations_machine_and_pool_across_rescalings_only():
+    # seed 0 was charged before its calibration file was rescaled (another hash), seed 1 after: one cell; a run
+    # of another calibration file (another reference machine) is not pooled with them, whatever CPU ran it
+    runs = {
+        "b0": on_the_reference_clock(kept(55.0), "/clone/conf/calibration/cpu-a.json", "11"),
+        "b1": on_the_reference_clock(kept(56.0), "conf/calibration/cpu-a.json", "22"),
+        "n0": on_the_reference_clock(kept(57.0), "conf/calibration/gpu-b.json", "33", machine="H200"),
+    }
+    plan = [point("b0", "base", 0), point("b1", "base", 1), point("n0", "new", 0)]
+    cells = judge.cells(plan, runs)
+    assert [cell.machine for cell in cells] == [
+        "reference clock of AMD EPYC (cpu-a)",
+        "reference clock of H200 (gpu-b)",
+    ]
+    assert [len(cell.runs) for cell in cells] == [2, 1]
+
+
 def test_the_paired_table_has_a_row_per_seed_both_recipes_ran():
     runs = {"b0": kept(55.0, 4.1), "n0": kept(56.5, 4.0), "n1": kept(57.0, 3.9)}
     plan = [point("b0", "base", 0), point("n0", "new", 0), point("n1", "new", 1)]

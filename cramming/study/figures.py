@@ -8,6 +8,8 @@ examples per task), `load_average` and `beside` (what shared the machine).
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from cramming.eval.scores import EntryScore, glue_average, summarize
 
 # eval=glue-small's five tasks: the GLUE average of a study is theirs, never a partial one
@@ -81,11 +83,16 @@ def value(record: dict, metric: str) -> float | None:
 
 def machine(record: dict) -> str:
     """Where a run pretrained, which sets what a minute of the wall clock buys: the CPU (or GPU) and its
-    precision, "AMD EPYC, float32". A run on the reference clock is charged its calibrated costs, so its
-    machine does not matter: "reference clock"."""
+    precision, "AMD EPYC, float32". A run on the reference clock is charged what its calibration measured, so
+    the machine it ran on does not matter, the one the calibration was measured on does: "reference clock of AMD
+    EPYC (cpu-epyc-avx2)", named by the calibration file (a file rescaled later keeps its name and its runs)."""
     card = record.get("pretraining_card") or {}
     if ((card.get("config") or {}).get("train") or {}).get("clock", "wall") == "reference":
-        return "reference clock"
+        clock = (card.get("metrics") or {}).get("clock") or {}
+        calibration = clock.get("calibration")
+        if not calibration:
+            return "reference clock"
+        return f"reference clock of {clock.get('machine') or '?'} ({Path(calibration).stem})"
     device = card.get("device") or {}
     return (
         f"{device.get('gpu') or device.get('cpu', '?')}, {(device.get('precision') or {}).get('dtype', '?')}"

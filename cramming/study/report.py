@@ -50,7 +50,7 @@ def recipes_section(cells: list[judge.Cell], control: str, floors: dict[str, dic
     lines.append(
         "Mean over the seeds (lowest–highest). BLiMP and GLUE in %, the MLM loss in nats on held-out rows."
         " Machine: where the runs pretrained (under the wall clock a minute buys more updates on a faster one),"
-        " or the reference clock."
+        " or the reference clock and the machine its calibration was measured on (the same updates on any machine)."
     )
     paired = judge.paired_table(cells, control)
     if paired:
