@@ -170,3 +170,23 @@ def test_a_blimp_subset_says_so_and_is_compared_only_with_its_own_floors_pairs()
     assert tables.pairs_note(runs, {"twins": [blimp_result(50, {})]}, "bert-mini").startswith(
         "NOT COMPARABLE"
     )
+
+
+def test_each_phenomenon_is_judged_seed_by_seed_against_the_control_with_its_own_spread():
+    def run(overall: float, a: float, b: float) -> dict:
+        return {**kept(overall), "blimp": blimp_result(overall, {"a": a, "b": b})}
+
+    # a: +5 and +6 with seeds 1 and 2 apart → beyond (starred); b: +1 and -1 with seeds 8 apart → within;
+    # overall: +0.5 and +1.5 with seeds 1 and 2 apart → a mean of +1.0, within the wider spread (2)
+    runs = {
+        "b0": run(55.0, 40.0, 50.0),
+        "b1": run(56.0, 41.0, 58.0),
+        "n0": run(55.5, 45.0, 51.0),
+        "n1": run(57.5, 47.0, 57.0),
+    }
+    plan = [point(label, "new" if label[0] == "n" else "base", int(label[1])) for label in runs]
+    rows = judge.phenomena_against_control(judge.cells(plan, runs), "base").splitlines()
+    assert rows[0] == "| phenomenon | base (60 min) | new (60 min) |"
+    assert rows[2:] == ["| **overall** | 55.5 | +1.0 |", "| a | 40.5 | +5.5* |", "| b | 54.0 | +0.0 |"]
+    # no recipe beside the control: no table
+    assert judge.phenomena_against_control(judge.cells(plan[:2], runs), "base") == ""

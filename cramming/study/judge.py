@@ -200,3 +200,52 @@ def paired_table(all_cells: list[Cell], control: str) -> str:
                 deltas.append("–" if ours is None or theirs is None else f"{ours - theirs:+.{digits}f}")
             lines.append(f"| {c.recipe} | {c.minutes:g} | {c.machine} | {seed} | {' | '.join(deltas)} |")
     return "\n".join(lines) if len(lines) > 2 else ""
+
+
+def _term_values(cell: Cell, term: str) -> dict[int, float]:
+    """seed -> the run's BLiMP for one phenomenon ("overall": all of them), for the runs scored."""
+    found: dict[int, float] = {}
+    for point, record in cell.runs:
+        results = record.get("blimp")
+        if results:
+            found.setdefault(
+                point.seed, results[term] if term == "overall" else results["per_linguistics_term"][term]
+            )
+    return found
+
+
+def phenomena_against_control(all_cells: list[Cell], control: str) -> str:
+    """BLiMP by phenomenon, each recipe against the control of its budget and machine: the mean of the
+    seed-by-seed differences, starred where it is beyond the seeds' spread of that phenomenon (the wider of the
+    two cells' highest-minus-lowest seed); empty when no recipe has BLiMP beside its control."""
+    by_key = {(c.recipe, c.minutes, c.machine): c for c in all_cells}
+    columns: list[tuple[Cell, Cell]] = []
+    for c in all_cells:
+        base = by_key.get((control, c.minutes, c.machine))
+        if c.recipe == control or base is None or not c.values("BLiMP") or not base.values("BLiMP"):
+            continue
+        if c.pairs() == base.pairs() and set(c.values("BLiMP")) & set(base.values("BLiMP")):
+            columns.append((c, base))
+    if not columns:
+        return ""
+    terms = [
+        "overall",
+        *sorted(next(r["blimp"] for _, r in columns[0][1].runs if r.get("blimp"))["per_linguistics_term"]),
+    ]
+    bases = list(dict.fromkeys(id(base) for _, base in columns))
+    base_cells = {id(base): base for _, base in columns}
+    head = ["phenomenon", *(f"{control} ({base_cells[b].minutes:g} min)" for b in bases)]
+    head += [f"{c.recipe} ({c.minutes:g} min)" for c, _ in columns]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for term in terms:
+        row = [f"**{term}**" if term == "overall" else term]
+        row += [f"{statistics.mean(_term_values(base_cells[b], term).values()):.1f}" for b in bases]
+        for c, base in columns:
+            ours, theirs = _term_values(c, term), _term_values(base, term)
+            paired = [ours[s] - theirs[s] for s in ours if s in theirs]
+            difference = statistics.mean(paired)
+            spreads = [max(v.values()) - min(v.values()) for v in (ours, theirs) if len(v) > 1]
+            star = "*" if spreads and abs(difference) > max(spreads) else ""
+            row.append(f"{difference:+.1f}{star}")
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)

@@ -55,6 +55,20 @@ def recipes_section(cells: list[judge.Cell], control: str, floors: dict[str, dic
     paired = judge.paired_table(cells, control)
     if paired:
         lines += ["", f"## Against {control}, seed by seed", "", paired]
+    by_phenomenon = judge.phenomena_against_control(cells, control)
+    if by_phenomenon:
+        lines += [
+            "",
+            f"## What each recipe changes on BLiMP, by phenomenon, against {control}",
+            "",
+            by_phenomenon,
+            "",
+        ]
+        lines.append(
+            f"The {control} columns: its mean over seeds. The others: the mean of the seed-by-seed differences to it"
+            " (BLiMP points); * where that is beyond the seeds' spread of the phenomenon (the wider of the two"
+            " recipes' highest minus lowest seed at that budget)."
+        )
     return lines
 
 
