@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from cramming.errors import ConfigError
-from cramming.study import judge, tables
+from cramming.study import judge, kept as kept_, tables
 from cramming.study.__main__ import main
 from cramming.study.config import load_study
 from cramming.study.plan import Point
@@ -190,3 +190,20 @@ def test_each_phenomenon_is_judged_seed_by_seed_against_the_control_with_its_own
     assert rows[2:] == ["| **overall** | 55.5 | +1.0 |", "| a | 40.5 | +5.5* |", "| b | 54.0 | +0.0 |"]
     # no recipe beside the control: no table
     assert judge.phenomena_against_control(judge.cells(plan[:2], runs), "base") == ""
+
+
+def test_kept_files_name_no_folder_of_the_machine_that_wrote_them(tmp_path):
+    data, cwd = tmp_path / "data", tmp_path / "clone"
+    record = {
+        "run_dir": f"{cwd}/outputs/a/0",
+        "overrides": [f"data.sources.local.files={data}/wiki/train-*.jsonl.gz", "seed=1"],
+        "card": {"command": f"python pretrain.py 'files={data}/wiki/x' base_dir={cwd}/outputs", "updates": 5},
+    }
+    assert kept_.portable(record, cwd=cwd, data=str(data)) == {
+        "run_dir": "outputs/a/0",
+        "overrides": ["data.sources.local.files=$CRAMMING_DATA/wiki/train-*.jsonl.gz", "seed=1"],
+        "card": {
+            "command": "python pretrain.py 'files=$CRAMMING_DATA/wiki/x' base_dir=outputs",
+            "updates": 5,
+        },
+    }

@@ -4,12 +4,15 @@ reads them alone.
 
 A run's file holds what its finished stages measured: the pretraining run card, BLiMP's and GLUE's result
 files, the load average while it pretrained and the study's runs that shared the machine with it. A stage's
-figures, once kept, stay kept: a later `run` on a machine without the run folders adds to the file.
+figures, once kept, stay kept: a later `run` on a machine without the run folders adds to the file. Kept files are
+committed, so they name no folder of the machine that wrote them: paths under the working folder are written
+relative to it, and paths under $CRAMMING_DATA (where our machines keep their data) as `$CRAMMING_DATA/...`.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 from cramming.errors import ConfigError
@@ -58,9 +61,35 @@ def keep_run(keep: Path, point: Point, overrides: list[str], finished: dict[str,
     for stage, file in STAGE_FILES.items():
         if stage in finished:
             record[stage] = json.loads((finished[stage] / file).read_text())
+    record = portable(record)
     keep.mkdir(parents=True, exist_ok=True)
     atomic_write_text(run_path(keep, point.label), json.dumps(record, indent=1) + "\n")
     return record
+
+
+def portable(value, cwd: Path | None = None, data: str | None = None):
+    """`value` (a kept record, or any part of one) with this machine's folders out of its strings: the working
+    folder's prefix dropped (a relative path), the data folder of $CRAMMING_DATA named as that variable."""
+    data = os.environ.get("CRAMMING_DATA") if data is None else data
+    prefixes = (
+        [(str(Path(data).resolve()) + "/", "$CRAMMING_DATA/"), (data.rstrip("/") + "/", "$CRAMMING_DATA/")]
+        if data
+        else []
+    )
+    prefixes.append((str(cwd or Path.cwd()) + "/", ""))
+
+    def clean(v):
+        if isinstance(v, str):
+            for prefix, replacement in prefixes:
+                v = v.replace(prefix, replacement)
+            return v
+        if isinstance(v, dict):
+            return {k: clean(x) for k, x in v.items()}
+        if isinstance(v, list):
+            return [clean(x) for x in v]
+        return v
+
+    return clean(value)
 
 
 def _number(minutes: float) -> int | float:
@@ -78,7 +107,7 @@ def read_floors(keep: Path) -> dict[str, dict]:
 def write_floor(keep: Path, shape: str, figures: dict) -> Path:
     keep.mkdir(parents=True, exist_ok=True)
     path = keep / FLOOR.format(shape)
-    atomic_write_text(path, json.dumps(figures, indent=1) + "\n")
+    atomic_write_text(path, json.dumps(portable(figures), indent=1) + "\n")
     return path
 
 
