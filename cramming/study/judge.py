@@ -214,10 +214,22 @@ def _term_values(cell: Cell, term: str) -> dict[int, float]:
     return found
 
 
+def _term_spread(all_cells: list[Cell], recipes: set[str], where: str, term: str) -> float | None:
+    """The widest spread over seeds of one phenomenon in any cell of `recipes` on machine `where` (the rule of
+    `widest`, phenomenon by phenomenon)."""
+    spreads = [
+        max(v.values()) - min(v.values())
+        for c in all_cells
+        if c.recipe in recipes and c.machine == where and len(v := _term_values(c, term)) > 1
+    ]
+    return max(spreads, default=None)
+
+
 def phenomena_against_control(all_cells: list[Cell], control: str) -> str:
     """BLiMP by phenomenon, each recipe against the control of its budget and machine: the mean of the
-    seed-by-seed differences, starred where it is beyond the seeds' spread of that phenomenon (the wider of the
-    two cells' highest-minus-lowest seed); empty when no recipe has BLiMP beside its control."""
+    seed-by-seed differences, starred where it is beyond the seeds' spread of that phenomenon (the rule of the
+    conclusion: the widest spread either recipe showed at any budget on that machine); empty when no recipe has
+    BLiMP beside its control."""
     by_key = {(c.recipe, c.minutes, c.machine): c for c in all_cells}
     columns: list[tuple[Cell, Cell]] = []
     for c in all_cells:
@@ -228,24 +240,23 @@ def phenomena_against_control(all_cells: list[Cell], control: str) -> str:
             columns.append((c, base))
     if not columns:
         return ""
-    terms = [
-        "overall",
-        *sorted(next(r["blimp"] for _, r in columns[0][1].runs if r.get("blimp"))["per_linguistics_term"]),
-    ]
-    bases = list(dict.fromkeys(id(base) for _, base in columns))
-    base_cells = {id(base): base for _, base in columns}
-    head = ["phenomenon", *(f"{control} ({base_cells[b].minutes:g} min)" for b in bases)]
-    head += [f"{c.recipe} ({c.minutes:g} min)" for c, _ in columns]
+    first = next(r["blimp"] for _, r in columns[0][1].runs if r.get("blimp"))
+    terms = ["overall", *sorted(first["per_linguistics_term"])]
+    bases = list({id(base): base for _, base in columns}.values())
+    several = len({base.machine for base in bases}) > 1
+
+    def name(c: Cell) -> str:
+        return f"{c.recipe} ({c.minutes:g} min{', ' + c.machine if several else ''})"
+
+    head = ["phenomenon", *(name(b) for b in bases), *(name(c) for c, _ in columns)]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for term in terms:
         row = [f"**{term}**" if term == "overall" else term]
-        row += [f"{statistics.mean(_term_values(base_cells[b], term).values()):.1f}" for b in bases]
+        row += [f"{statistics.mean(_term_values(b, term).values()):.1f}" for b in bases]
         for c, base in columns:
             ours, theirs = _term_values(c, term), _term_values(base, term)
-            paired = [ours[s] - theirs[s] for s in ours if s in theirs]
-            difference = statistics.mean(paired)
-            spreads = [max(v.values()) - min(v.values()) for v in (ours, theirs) if len(v) > 1]
-            star = "*" if spreads and abs(difference) > max(spreads) else ""
-            row.append(f"{difference:+.1f}{star}")
+            difference = statistics.mean(ours[s] - theirs[s] for s in ours if s in theirs)
+            spread = _term_spread(all_cells, {c.recipe, control}, c.machine, term)
+            row.append(f"{difference:+.1f}{'*' if spread is not None and abs(difference) > spread else ''}")
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)

@@ -66,8 +66,9 @@ def recipes_section(cells: list[judge.Cell], control: str, floors: dict[str, dic
         ]
         lines.append(
             f"The {control} columns: its mean over seeds. The others: the mean of the seed-by-seed differences to it"
-            " (BLiMP points); * where that is beyond the seeds' spread of the phenomenon (the wider of the two"
-            " recipes' highest minus lowest seed at that budget)."
+            " (BLiMP points; where the seeds differ, not the difference of the means of the conclusion); * where"
+            " that is beyond the seeds' spread of the phenomenon (the widest either recipe showed at any budget on"
+            " that machine, the conclusion's rule)."
         )
     return lines
 
