@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from cramming.errors import ConfigError
-from cramming.study import judge, kept as kept_, tables
+from cramming.study import judge, tables
+from cramming.study import kept as kept_
 from cramming.study.__main__ import main
 from cramming.study.config import load_study
 from cramming.study.plan import Point
@@ -207,3 +208,19 @@ def test_kept_files_name_no_folder_of_the_machine_that_wrote_them(tmp_path):
             "updates": 5,
         },
     }
+
+
+def test_held_out_losses_of_different_maskings_are_not_compared():
+    def masked(record: dict, fraction: float) -> dict:
+        record["pretraining_card"]["config"] = {"train": {"mlm": {"mask_fraction": fraction}}}
+        return record
+
+    runs = {"b0": masked(kept(55.0, 4.8), 0.25), "n0": masked(kept(55.5, 5.2), 0.4)}
+    cells = judge.cells([point("b0", "base", 0), point("n0", "new", 0)], runs)
+    assert "MLM loss not compared" in judge.compare(cells[1], cells[0], "MLM loss", cells)
+    assert "other masking" in judge.paired_table(cells, "base")
+    runs["n0"] = masked(kept(55.5, 4.7), 0.25)
+    cells = judge.cells([point("b0", "base", 0), point("n0", "new", 0)], runs)
+    assert judge.compare(cells[1], cells[0], "MLM loss", cells).startswith(
+        "MLM loss 4.70 against 4.80: -0.10"
+    )

@@ -53,6 +53,18 @@ class Cell:
         return statistics.mean(values) if values else None
 
 
+def masking(cell: Cell) -> list[str]:
+    """How a cell's runs mask (their train.mlm settings): held-out losses of different maskings measure different
+    tasks."""
+    found = set()
+    for _, record in cell.runs:
+        mlm = (((record.get("pretraining_card") or {}).get("config") or {}).get("train") or {}).get(
+            "mlm"
+        ) or {}
+        found.add(repr(sorted(mlm.items())))
+    return sorted(found)
+
+
 def cells(points: list[Point], runs: dict[str, dict]) -> list[Cell]:
     """The cells of the kept runs, in the order of their first run."""
     found: dict[tuple[str, float, str], Cell] = {}
@@ -103,6 +115,8 @@ def compare(a: Cell, b: Cell, metric: str, all_cells: list[Cell]) -> str | None:
         return None
     if metric == "BLiMP" and a.pairs() != b.pairs():
         return f"BLiMP not compared: scored on {sorted(a.pairs())} and {sorted(b.pairs())} pairs"
+    if metric == "MLM loss" and masking(a) != masking(b):
+        return "MLM loss not compared: the held-out rows are masked as each recipe masks (another task)"
     digits = 2 if metric == "MLM loss" else 1
     difference = mean_a - mean_b
     text = f"{metric} {summary(a, metric, digits)} against {summary(b, metric, digits)}: {difference:+.{digits}f}, "
@@ -197,7 +211,10 @@ def paired_table(all_cells: list[Cell], control: str) -> str:
             for metric in shown:
                 ours, theirs = c.values(metric).get(seed), base.values(metric).get(seed)
                 digits = 2 if metric == "MLM loss" else 1
-                deltas.append("–" if ours is None or theirs is None else f"{ours - theirs:+.{digits}f}")
+                if metric == "MLM loss" and masking(c) != masking(base):
+                    deltas.append("other masking")
+                else:
+                    deltas.append("–" if ours is None or theirs is None else f"{ours - theirs:+.{digits}f}")
             lines.append(f"| {c.recipe} | {c.minutes:g} | {c.machine} | {seed} | {' | '.join(deltas)} |")
     return "\n".join(lines) if len(lines) > 2 else ""
 
