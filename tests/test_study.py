@@ -16,6 +16,7 @@ import pytest
 from conftest import data_dir
 
 from cramming.job.runcard import cards_under
+from cramming.study.plan import normalized
 
 REPO = Path(__file__).resolve().parent.parent
 PRETRAIN = [
@@ -129,3 +130,12 @@ def test_a_study_on_the_reference_clock_runs_two_at_once_and_each_buys_the_same_
     assert last["started"] < first["finished"]  # they ran at once
     report = study("report", str(tmp_path / "reference.yaml"))
     assert report.returncode == 0 and "reference clock" in (tmp_path / "report" / "report.md").read_text()
+
+
+def test_a_key_given_twice_is_told_by_its_last_value_as_hydras_multirun_records_it():
+    # the study's rate, then a recipe's: the run card holds train.optim.lr=0.003 alone, and the runner must
+    # find that run finished (it once ran it again)
+    study_then_recipe = ["train.optim.lr=2e-3", "arch.num_layers=6", "train.optim.lr=3e-3", "seed=0"]
+    recorded = ["seed=0", "arch.num_layers=6", "train.optim.lr=0.003"]
+    assert normalized(study_then_recipe) == normalized(recorded)
+    assert normalized(["train.optim.lr=2e-3"]) != normalized(["train.optim.lr=3e-3"])

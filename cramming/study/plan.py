@@ -38,13 +38,15 @@ def points(study: StudyConfig) -> list[Point]:
 
 
 def normalized(overrides: list[str]) -> list[str]:
-    """Overrides as Hydra writes them back for the jobs of a multirun (`train.optim.lr=2e-3` reads 0.002), in
-    sorted order: how two commands are told to be the same. Unparsable ones are kept as they are."""
+    """Overrides as Hydra writes them back for the jobs of a multirun (`train.optim.lr=2e-3` reads 0.002; a key
+    given twice, as a recipe's rate over the study's, once with its last value), in sorted order: how two commands
+    are told to be the same. Unparsable ones are kept as they are."""
     try:
         parsed = OverridesParser.create().parse_overrides(list(overrides))
     except HydraException:
         return sorted(overrides)
-    return sorted(f"{o.get_key_element()}={o.get_value_element_as_str()}" for o in parsed)
+    last = {o.get_key_element(): o.get_value_element_as_str() for o in parsed}
+    return sorted(f"{key}={value}" for key, value in last.items())
 
 
 def budget_overrides(minutes: float) -> list[str]:
