@@ -37,6 +37,11 @@ def test_overrides_of_the_command_line_change_the_study(tmp_path):
     assert study.seeds == [3] and study.parallel == 2 and study.control_recipe == "wide"
 
 
+def test_only_runs_the_recipes_it_names(tmp_path):
+    _, study = load_study(study_file(tmp_path, GOOD), ["only=[wide]"])
+    assert {p.recipe for p in plan.points(study)} == {"wide"} and len(plan.points(study)) == 4
+
+
 def test_each_stage_runs_the_entry_points_command(tmp_path):
     _, study = load_study(study_file(tmp_path, GOOD + "blimp_pairs: 5\nglue_dir: data/glue\n"))
     zero, one = plan.points(study)[0], plan.points(study)[2]
@@ -72,6 +77,7 @@ def test_commands_are_the_same_as_hydra_writes_them_back():
         ("recipes: {a: []}\nminutes: [-1]\n", "minutes"),
         ("recipes: {a: []}\nminutes: [1]\ncontrol: b\n", "control"),
         ("recipes: {a: []}\nminutes: [1]\nseeds: [0, 0]\n", "seeds"),
+        ("recipes: {a: []}\nminutes: [1]\nonly: [b]\n", "only"),
         ("recipes: {a: []}\nminutes: [1]\nstages: [pretrain, glue2k]\n", "stages"),
         ("recipes: {a: []}\nminutes: [1]\nparallel: 0\n", "parallel"),
         ("recipes: {a: []}\nminutes: [1]\nparallel: two\n", "parallel"),

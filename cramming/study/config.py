@@ -54,6 +54,9 @@ class StudyConfig:
     recipes: dict[str, list[str]] = MISSING
     # the recipe the others are compared with; null: the first
     control: str | None = None
+    # only these recipes' runs, e.g. `only=[6layers,8layers]` on the command line to score one change beside
+    # the control before the study's other recipes are pretrained; empty: every recipe
+    only: list[str] = field(default_factory=list)
     seeds: list[int] = field(default_factory=lambda: [0])
     # budgets in minutes; 0 is no pretraining: one update at the warm-up rate (train.steps=1)
     minutes: list[float] = field(default_factory=list)
@@ -98,6 +101,9 @@ class StudyConfig:
         check_overrides("evaluate", self.evaluate)
         if self.control is not None and self.control not in self.recipes:
             raise config_error("control", self.control, f"name one of the recipes: {', '.join(self.recipes)}")
+        for name in self.only:
+            if name not in self.recipes:
+                raise config_error("only", list(self.only), f"name recipes of the study: {', '.join(self.recipes)}")
         for key in ("seeds", "floor_seeds"):
             values = getattr(self, key)
             if not values or len(set(values)) != len(values) or min(values) < 0:
@@ -133,6 +139,8 @@ class StudyConfig:
             chosen = [(p.label, p.recipe, p.minutes, p.seed) for p in self.points]
         else:
             chosen = [(None, r, m, s) for r in self.recipes for m in self.minutes for s in self.seeds]
+        if self.only:
+            chosen = [c for c in chosen if c[1] in self.only]
         return [(label or f"{r}-{m:g}-s{s}", r, m, s) for label, r, m, s in chosen]
 
 
