@@ -103,7 +103,9 @@ class StudyConfig:
             raise config_error("control", self.control, f"name one of the recipes: {', '.join(self.recipes)}")
         for name in self.only:
             if name not in self.recipes:
-                raise config_error("only", list(self.only), f"name recipes of the study: {', '.join(self.recipes)}")
+                raise config_error(
+                    "only", list(self.only), f"name recipes of the study: {', '.join(self.recipes)}"
+                )
         for key in ("seeds", "floor_seeds"):
             values = getattr(self, key)
             if not values or len(set(values)) != len(values) or min(values) < 0:
