@@ -184,10 +184,51 @@ def test_each_model_shape_gets_its_floor_from_a_run_of_its_own_shape(study, monk
 
     monkeypatch.setattr(runner.floor, "floor", fake_floor)
     runner.run_study(name, config)
-    assert drawn == [(shallow, "tiny"), (deep, "tiny.num_layers=3")]
-    assert set(kept.read_floors(Path(config.keep))) == {"tiny", "tiny.num_layers=3"}
+    assert drawn == [(shallow, "tiny")] * 3 + [(deep, "tiny.num_layers=3")] * 3  # a twin a seed
+    floors = kept.read_floors(Path(config.keep))
+    assert set(floors) == {"tiny", "tiny.num_layers=3"} and floors["tiny"]["seeds"] == [0, 1, 2]
     runner.run_study(name, config)
-    assert len(drawn) == 2  # kept: not drawn again
+    assert len(drawn) == 6  # kept: not drawn again
+
+
+def test_the_floors_twins_are_scored_parallel_at_a_time_and_kept_in_seed_order(study, monkeypatch):
+    import concurrent.futures
+    import contextlib
+    import threading
+
+    name, config = study(
+        "stages=[floor]", "parallel=2", "recipes.fast=[arch=tiny,data=embedded,arch.num_layers=3]"
+    )
+    pretraining(name, config, "base-1-s0", 0)
+    pretraining(name, config, "fast-1-s0", 0)
+    pools, workers = [], set()
+
+    @contextlib.contextmanager
+    def threads_for_processes(size, threads):
+        pools.append(size)
+        with concurrent.futures.ThreadPoolExecutor(max_workers=size) as pool:
+            yield pool
+
+    def fake_floor(checkpoint, shape, seeds, blimp_dir, pairs):
+        workers.add(threading.get_ident())
+        return {"arch": shape, "seeds": seeds, "twins": [{"seed": seeds[0]}], "published": {}}
+
+    monkeypatch.setattr(runner, "floor_pool", threads_for_processes)
+    monkeypatch.setattr(runner.floor, "floor", fake_floor)
+    runner.run_study(name, config)
+    assert pools == [2]
+    for floor in kept.read_floors(Path(config.keep)).values():
+        assert floor["seeds"] == [0, 1, 2] and [t["seed"] for t in floor["twins"]] == [0, 1, 2]
+
+
+def test_a_recipe_that_changes_the_tokenizer_has_a_floor_of_its_own():
+    from cramming.study.figures import shape
+
+    assert shape("tiny", ["arch.num_layers=6", "train.optim.lr=2e-3"]) == "tiny.num_layers=6"
+    assert (
+        shape("tiny", ["arch.num_layers=6", "data.tokenizer.vocab_size=4096", "data.seq_length=64"])
+        == "tiny.num_layers=6.tokenizer.vocab_size=4096"
+    )
 
 
 def test_the_load_is_told_only_for_a_window_the_sampling_watched():

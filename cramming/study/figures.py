@@ -99,9 +99,20 @@ def machine(record: dict) -> str:
     )
 
 
+# overrides that change how text becomes tokens, and so a random model's BLiMP: they name a floor with the arch's
+TOKENIZING = ("data.tokenizer.", "data.normalizer.")
+
+
 def shape(arch: str, overrides: list[str] | tuple[str, ...] = ()) -> str:
-    """The model shape a floor belongs to: the arch with its `arch.*` overrides ("bert-tiny.num_layers=4")."""
-    return ".".join([arch, *(o.removeprefix("arch.") for o in overrides if o.startswith("arch."))])
+    """The model shape a floor belongs to: the arch with its `arch.*` overrides ("bert-tiny.num_layers=4"), and
+    the tokenizer's where a recipe changes it ("bert-tiny.num_layers=6.tokenizer.vocab_size=4096")."""
+    return ".".join(
+        [
+            arch,
+            *(o.removeprefix("arch.") for o in overrides if o.startswith("arch.")),
+            *(o.removeprefix("data.") for o in overrides if o.startswith(TOKENIZING)),
+        ]
+    )
 
 
 def shape_of(record: dict) -> str:

@@ -54,6 +54,15 @@ def floor(
     }
 
 
+def joined(parts: list[dict]) -> dict:
+    """One floor from floors of the same shape drawn apart (one seed each, in parallel): their twins in order."""
+    whole = {**parts[0], "seeds": [], "twins": []}
+    for part in parts:
+        whole["seeds"] += part["seeds"]
+        whole["twins"] += part["twins"]
+    return whole
+
+
 def published(blimp_dir: Path, terms: dict[str, str]) -> dict[str, dict[str, float]]:
     """{reference: {"overall": .., <phenomenon>: ..}} in %, each the mean over its paradigms as BLiMP reports
     it, from <blimp_dir>/published/models_summary.jsonl ({} without it). `terms`: UID -> phenomenon as the

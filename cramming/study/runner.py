@@ -15,9 +15,12 @@ and the load average sampled while it ran is kept beside it.
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
 import datetime as dt
 import functools
 import logging
+import multiprocessing
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -341,26 +344,59 @@ def run_evaluation(study: Study, stage: str) -> None:
 
 def run_floors(study: Study) -> None:
     """The floor of each model shape of the study not kept yet, from a finished pretraining run of that shape
-    (its 0-minute run where there is one: any run of the shape has its architecture and tokenizer)."""
+    (its 0-minute run where there is one: any run of the shape has its architecture and tokenizer). The random
+    twins of all the floors to draw are scored `parallel` at a time, each in a process of its own."""
     have = kept.read_floors(study.keep) if study.keep.is_dir() else {}
     by_shape: dict[str, list[Point]] = {}
     for point in sorted(study.plan, key=lambda p: p.minutes != 0):
         by_shape.setdefault(study.shape(point), []).append(point)
     missing = [name for name in by_shape if name not in have]
     log.info("stage floor: %s", f"the floors of {', '.join(missing)} to draw" if missing else "nothing to do")
+    if not missing:
+        return
+    sources = {}
     for name in missing:
-        shape_points = by_shape[name]
-        folders = [f for p in shape_points if (f := finished(*stage_run(study, p, "pretrain"))) is not None]
+        folders = [f for p in by_shape[name] if (f := finished(*stage_run(study, p, "pretrain"))) is not None]
         if not folders:
             raise ConfigError(f"the floor of {name} needs a finished pretraining run of that shape here; run the"
                               " pretrain stage first")  # fmt: skip
-        threads = eval_threads(study.config)
-        if threads:
-            torch.set_num_threads(threads)
-        cfg = study.config
-        log.info("floor of %s: random twins of %s, seeds %s", name, folders[0], cfg.floor_seeds)
-        figures = floor.floor(folders[0], name, cfg.floor_seeds, cfg.blimp_dir, cfg.blimp_pairs)
-        log.info("floor of %s kept in %s", name, kept.write_floor(study.keep, name, figures))
+        sources[name] = folders[0]
+        log.info("floor of %s: random twins of %s, seeds %s", name, folders[0], study.config.floor_seeds)
+    cfg = study.config
+    draws = [(name, seed) for name in missing for seed in cfg.floor_seeds]
+    threads = eval_threads(cfg)
+    with floor_pool(min(cfg.parallel, len(draws)), threads) as pool:
+        futures = {
+            draw: pool.submit(
+                floor.floor, sources[draw[0]], draw[0], [draw[1]], cfg.blimp_dir, cfg.blimp_pairs
+            )
+            for draw in draws
+        }
+        for name in missing:  # each floor kept once its own twins are scored
+            parts = [futures[(name, seed)].result() for seed in cfg.floor_seeds]
+            log.info("floor of %s kept in %s", name, kept.write_floor(study.keep, name, floor.joined(parts)))
+
+
+@contextlib.contextmanager
+def floor_pool(workers: int, threads: int | None):
+    """Where the floors' twins are scored: in this process when one at a time, else `workers` fresh processes
+    (spawned: no copy of this process's threads or compiled state), each with `threads` threads."""
+    if threads:
+        torch.set_num_threads(threads)
+    if workers <= 1:
+        with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+            yield pool
+        return
+    context = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(
+        max_workers=workers, mp_context=context, initializer=_set_threads, initargs=(threads,)
+    ) as pool:
+        yield pool
+
+
+def _set_threads(threads: int | None) -> None:
+    if threads:
+        torch.set_num_threads(threads)
 
 
 def run_study(
