@@ -87,7 +87,8 @@ def test_a_stopped_study_continues_its_run_in_the_same_folder_and_skips_what_is_
 @pytest.mark.slow
 def test_the_floor_and_blimp_of_the_study(tiny_study):
     blimp = data_dir("blimp")
-    settings = [f"blimp_dir={blimp}", "blimp_pairs=2", "stages=[floor,blimp]", "parallel=2"]  # twins in 2 processes
+    # parallel=2: the floor's twins are scored in two spawned processes
+    settings = [f"blimp_dir={blimp}", "blimp_pairs=2", "stages=[floor,blimp]", "parallel=2"]
     done = study("run", str(tiny_study / "tiny.yaml"), *settings, env=os.environ | {"PYTHONUNBUFFERED": "1"})
     assert done.returncode == 0, done.stderr[-3000:]
     floor = json.loads((tiny_study / "runs" / "floor-tiny.json").read_text())
