@@ -391,7 +391,11 @@ def floor_pool(workers: int, threads: int | None):
     with concurrent.futures.ProcessPoolExecutor(
         max_workers=workers, mp_context=context, initializer=_set_threads, initargs=(threads,)
     ) as pool:
-        yield pool
+        try:
+            yield pool
+        except BaseException:  # a stop or a failed twin: the draws not started yet are not started
+            pool.shutdown(wait=False, cancel_futures=True)
+            raise
 
 
 def _set_threads(threads: int | None) -> None:
