@@ -4,6 +4,8 @@ here (launch.call records the command lines); tests/test_study.py runs a study f
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
 import json
 from pathlib import Path
 
@@ -12,6 +14,7 @@ import pytest
 from cramming.errors import ConfigError
 from cramming.study import kept, launch, plan, runner
 from cramming.study.config import load_study
+from cramming.study.figures import shape
 
 RECIPES = (
     "recipes: {base: [arch=tiny, data=embedded], fast: [arch=tiny, data=embedded, train.optim.lr=2e-3]}\n"
@@ -192,16 +195,12 @@ def test_each_model_shape_gets_its_floor_from_a_run_of_its_own_shape(study, monk
 
 
 def test_the_floors_twins_are_scored_parallel_at_a_time_and_kept_in_seed_order(study, monkeypatch):
-    import concurrent.futures
-    import contextlib
-    import threading
-
     name, config = study(
         "stages=[floor]", "parallel=2", "recipes.fast=[arch=tiny,data=embedded,arch.num_layers=3]"
     )
     pretraining(name, config, "base-1-s0", 0)
     pretraining(name, config, "fast-1-s0", 0)
-    pools, workers = [], set()
+    pools = []
 
     @contextlib.contextmanager
     def threads_for_processes(size, threads):
@@ -210,7 +209,6 @@ def test_the_floors_twins_are_scored_parallel_at_a_time_and_kept_in_seed_order(s
             yield pool
 
     def fake_floor(checkpoint, shape, seeds, blimp_dir, pairs):
-        workers.add(threading.get_ident())
         return {"arch": shape, "seeds": seeds, "twins": [{"seed": seeds[0]}], "published": {}}
 
     monkeypatch.setattr(runner, "floor_pool", threads_for_processes)
@@ -222,8 +220,6 @@ def test_the_floors_twins_are_scored_parallel_at_a_time_and_kept_in_seed_order(s
 
 
 def test_a_recipe_that_changes_the_tokenizer_has_a_floor_of_its_own():
-    from cramming.study.figures import shape
-
     assert shape("tiny", ["arch.num_layers=6", "train.optim.lr=2e-3"]) == "tiny.num_layers=6"
     assert (
         shape("tiny", ["arch.num_layers=6", "data.tokenizer.vocab_size=4096", "data.seq_length=64"])

@@ -72,6 +72,11 @@ def card_metrics(record: dict) -> dict:
     return (record.get("pretraining_card") or {}).get("metrics") or {}
 
 
+def card_train(record: dict) -> dict:
+    """The `train` settings the run pretrained with, from its card ({} where the card has none)."""
+    return (((record.get("pretraining_card") or {}).get("config") or {}).get("train")) or {}
+
+
 def value(record: dict, metric: str) -> float | None:
     """A run's figure for one of METRICS (BLiMP, GLUE 1k, GLUE: %, MLM loss: held-out nats)."""
     if metric == "BLiMP":
@@ -86,14 +91,13 @@ def machine(record: dict) -> str:
     precision, "AMD EPYC, float32". A run on the reference clock is charged what its calibration measured, so
     the machine it ran on does not matter, the one the calibration was measured on does: "reference clock of AMD
     EPYC (cpu-epyc-avx2)", named by the calibration file (a file rescaled later keeps its name and its runs)."""
-    card = record.get("pretraining_card") or {}
-    if ((card.get("config") or {}).get("train") or {}).get("clock", "wall") == "reference":
-        clock = (card.get("metrics") or {}).get("clock") or {}
+    if card_train(record).get("clock", "wall") == "reference":
+        clock = card_metrics(record).get("clock") or {}
         calibration = clock.get("calibration")
         if not calibration:
             return "reference clock"
         return f"reference clock of {clock.get('machine') or '?'} ({Path(calibration).stem})"
-    device = card.get("device") or {}
+    device = (record.get("pretraining_card") or {}).get("device") or {}
     return (
         f"{device.get('gpu') or device.get('cpu', '?')}, {(device.get('precision') or {}).get('dtype', '?')}"
     )

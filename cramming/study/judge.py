@@ -16,7 +16,7 @@ import itertools
 import statistics
 from dataclasses import dataclass, field
 
-from cramming.study.figures import METRICS, card_metrics, machine, shape_of, value
+from cramming.study.figures import METRICS, card_metrics, card_train, machine, shape_of, value
 from cramming.study.floor import floor_range
 from cramming.study.plan import Point
 
@@ -58,10 +58,7 @@ def masking(cell: Cell) -> list[str]:
     tasks."""
     found = set()
     for _, record in cell.runs:
-        mlm = (((record.get("pretraining_card") or {}).get("config") or {}).get("train") or {}).get(
-            "mlm"
-        ) or {}
-        found.add(repr(sorted(mlm.items())))
+        found.add(repr(sorted((card_train(record).get("mlm") or {}).items())))
     return sorted(found)
 
 

@@ -381,8 +381,7 @@ def run_floors(study: Study) -> None:
 def floor_pool(workers: int, threads: int | None):
     """Where the floors' twins are scored: in this process when one at a time, else `workers` fresh processes
     (spawned: no copy of this process's threads or compiled state), each with `threads` threads."""
-    if threads:
-        torch.set_num_threads(threads)
+    _set_threads(threads)
     if workers <= 1:
         with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
             yield pool
