@@ -16,6 +16,7 @@ import pytest
 from cramming.data import SPECIAL_TOKENS, load_pretraining_data, prepare_pretraining_data
 from cramming.data import pipeline as pipeline_module
 from cramming.data.config import NormalizerConfig, SourceConfig, TokenizerConfig
+from cramming.data.ordering import SEGMENTS
 from cramming.data.pipeline import cache_dir_for, join_with_separator
 from cramming.data.sources import FILE_HASHES
 from cramming.data.tokenizer import build_normalizer, train_tokenizer
@@ -305,21 +306,26 @@ def test_join_with_separator():
 
 
 @pytest.mark.parametrize(
-    ("seq_length", "row_start"),
+    ("seq_length", "row_start", "segments"),
     [
-        pytest.param(16, "none", marks=pytest.mark.slow),
-        (128, "none"),
-        pytest.param(16, "cls", marks=pytest.mark.slow),
+        pytest.param(16, "none", "none", marks=pytest.mark.slow),
+        (128, "none", "none"),
+        pytest.param(16, "cls", "none", marks=pytest.mark.slow),
+        (64, "none", "sentence"),
     ],
 )
-def test_rows_are_exact_and_reproduce_the_documents(tmp_path, corpus, data_config, seq_length, row_start):
+def test_rows_are_exact_and_reproduce_the_documents(
+    tmp_path, corpus, data_config, seq_length, row_start, segments
+):
     """Every row has seq_length tokens; the rows, concatenated, are the documents joined with [SEP]. With
-    data.row_start=cls each row is [CLS] and then the next seq_length - 1 tokens of that stream."""
+    data.row_start=cls each row is [CLS] and then the next seq_length - 1 tokens of that stream; with
+    data.segments=sentence a document is its sentences joined with [SEP]."""
     cfg = data_config(
         corpus,
         {
             "seq_length": seq_length,
             "row_start": row_start,
+            "segments": segments,
             "ordering": "none",
             "validation_fraction": 0.0,
             "filter.min_chars": 1,
@@ -334,7 +340,11 @@ def test_rows_are_exact_and_reproduce_the_documents(tmp_path, corpus, data_confi
     texts = [json.loads(line)["text"] for line in (corpus / "wiki.jsonl").read_text().splitlines()]
     stream = []
     for text in texts:
-        stream += data.tokenizer.encode(text, add_special_tokens=False).ids + [data.special.sep]
+        # the sentence rule itself is checked in test_sentence_segments; here, that each of its lines is one
+        # segment of the stream, closed by [SEP]
+        parts = SEGMENTS["sentence"](text).split("\n") if segments == "sentence" else [text]
+        for part in (p for p in parts if p.strip()):
+            stream += data.tokenizer.encode(part, add_special_tokens=False).ids + [data.special.sep]
     if row_start == "cls":
         assert np.all(rows[:, 0] == data.special.cls)
         rows = rows[:, 1:]
@@ -342,6 +352,33 @@ def test_rows_are_exact_and_reproduce_the_documents(tmp_path, corpus, data_confi
     assert len(stream) - n < rows.shape[1]  # only the last partial row is dropped
     np.testing.assert_array_equal(rows.ravel(), np.array(stream[:n]))
     assert data.stats["train_tokens"] == len(stream)
+
+
+@pytest.mark.parametrize(
+    ("raw", "lines"),
+    [
+        ("It rains. The cat sleeps! Does it? Yes.", ["It rains.", "The cat sleeps!", "Does it?", "Yes."]),
+        ('He said "Go." Then 3 left.', ['He said "Go."', "Then 3 left."]),
+        (
+            "J. R. R. Tolkien wrote it. The U.S. Army came.",
+            ["J. R. R. Tolkien wrote it.", "The U.S. Army came."],
+        ),
+        ("pi is 3.14 today. e.g. this stays.", ["pi is 3.14 today. e.g. this stays."]),  # no capital after
+        ("One line.\nAnother line.", ["One line.", "Another line."]),
+    ],
+)
+def test_sentence_segments(raw, lines):
+    assert SEGMENTS["sentence"](raw).split("\n") == lines
+
+
+def test_segments_are_checked_and_only_new_values_change_the_cache_key(corpus, data_config):
+    with pytest.raises(ConfigError, match="data.segments"):
+        data_config(corpus, {"segments": "words"})
+    keys = {pipeline_module.cache_key(data_config(corpus, {"segments": s})) for s in SEGMENTS}
+    assert len(keys) == len(SEGMENTS)
+    assert pipeline_module.cache_key(data_config(corpus)) == pipeline_module.cache_key(
+        data_config(corpus, {"segments": "none"})
+    )
 
 
 def test_row_start_is_checked_and_only_its_new_value_changes_the_cache_key(corpus, data_config, monkeypatch):

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from cramming.data.ordering import ORDERINGS, ROW_STARTS
+from cramming.data.ordering import ORDERINGS, ROW_STARTS, SEGMENTS
 from cramming.data.sources import SourceConfig
 from cramming.data.tokenizer import NormalizerConfig, TokenizerConfig
 from cramming.errors import check_choice, config_error
@@ -60,6 +60,10 @@ class DataConfig:
     # how each row begins (a key of ordering.ROW_STARTS): none (anywhere in the [SEP]-joined stream, cramming)
     # or cls ([CLS], then seq_length - 1 tokens of the stream, as every fine-tuning input begins with [CLS])
     row_start: str = "none"
+    # where [SEP] goes inside a document (a key of ordering.SEGMENTS): none (only after each document,
+    # cramming), line (after each line of the source: Wikipedia's paragraphs) or sentence (after each sentence,
+    # as BLiMP's sentences are scored: [CLS] sentence [SEP])
+    segments: str = "none"
     # order of the packed rows (a key of ordering.ORDERINGS): none (as read), random, or curriculum
     # (easy to hard: rows of frequent tokens first)
     ordering: str = "random"
@@ -81,6 +85,7 @@ class DataConfig:
             source.check(f"data.sources.{name}")
         check_choice("data.ordering", self.ordering, ORDERINGS)
         check_choice("data.row_start", self.row_start, ROW_STARTS)
+        check_choice("data.segments", self.segments, SEGMENTS)
         if self.seq_length < 8:
             raise config_error(
                 "data.seq_length", self.seq_length, "use at least 8 tokens (cramming uses 128)"

@@ -1,11 +1,13 @@
-"""How the packed training rows are ordered, and what each row begins with.
+"""How the packed training rows are ordered, what each row begins with, and where [SEP] goes in the stream.
 
-The keys of ORDERINGS and ROW_STARTS are the values `data.ordering` and `data.row_start` accept: the data
-config checks its choices against them, so adding an entry here is all a new choice needs.
+The keys of ORDERINGS, ROW_STARTS and SEGMENTS are the values `data.ordering`, `data.row_start` and
+`data.segments` accept: the data config checks its choices against them, so adding an entry here is all a new
+choice needs.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 
 import datasets
@@ -44,6 +46,30 @@ def _curriculum(rows: datasets.Dataset, seed: int, vocab_size: int) -> datasets.
 
 # data.row_start: what each packed row begins with (the [CLS] id is SpecialTokens.cls)
 ROW_STARTS = ("none", "cls")
+
+# A sentence ends at . ! or ? (and a closing quote or bracket right after it) followed by spaces and a capital
+# letter, a digit or an opening quote or bracket; not after a lone capital letter ("J. R. R. Tolkien", "U.S.
+# Army", though "World War I." then ends no sentence). Read on the raw text, before lowercasing. It splits after
+# abbreviations such as "Dr." or "St.": a stray [SEP] now and then, where a splitter with a list of
+# abbreviations would do a little better.
+SENTENCE_END = re.compile(r"(?<!\b[A-Z])([.!?][\"')\]]?)[ \t]+(?=[\"'(\[]?[A-Z0-9])")
+
+
+def _no_segments(text: str) -> str:
+    return text
+
+
+def _sentences(text: str) -> str:
+    return SENTENCE_END.sub("\\1\n", text)
+
+
+# data.segments -> (raw text) -> the text with each segment on a line of its own. The tokenizer then puts
+# [SEP] after every line, where with `none` [SEP] comes only after each document (a line break is a space).
+SEGMENTS: dict[str, Callable[[str], str] | None] = {
+    "none": None,
+    "line": _no_segments,  # the source's own lines: Wikipedia's paragraphs
+    "sentence": _sentences,  # each sentence, as a BLiMP sentence is scored: [CLS] sentence [SEP]
+}
 # data.ordering -> (rows, seed, vocab size) -> the rows reordered
 ORDERINGS: dict[str, Callable[[datasets.Dataset, int, int], datasets.Dataset]] = {
     "none": _keep_order,

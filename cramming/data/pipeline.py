@@ -32,7 +32,7 @@ from omegaconf import OmegaConf
 from tokenizers import Tokenizer
 
 from cramming.data.config import DataConfig
-from cramming.data.ordering import ORDERINGS
+from cramming.data.ordering import ORDERINGS, SEGMENTS
 from cramming.data.sources import fingerprinted_fields, load_source, source_fingerprint
 from cramming.data.tokenizer import SpecialTokens, build_normalizer, train_tokenizer, word_inner_characters
 from cramming.errors import DataSourceError
@@ -106,8 +106,12 @@ def cache_key(cfg: DataConfig, cache_root: str | os.PathLike | None = None) -> s
     the hashes of local files, so that unchanged files are not read again."""
     resolved = asdict(cfg)
     resolved.pop("name")
-    if resolved.get("row_start") == "none":  # added later: the caches made before it keep their names
-        resolved.pop("row_start")
+    for added_later in (
+        "row_start",
+        "segments",
+    ):  # at their defaults, the caches made before them keep their names
+        if resolved.get(added_later) == "none":
+            resolved.pop(added_later)
     for name, src in cfg.sources.items():
         for key in fingerprinted_fields(src):
             resolved["sources"][name].pop(key)
@@ -194,11 +198,14 @@ def _text_megabytes(ds: datasets.Dataset) -> float:
 def _clean(raw: datasets.Dataset, cfg: DataConfig, num_proc: int, scratch: Path) -> datasets.Dataset:
     """Normalize, drop texts that are empty or shorter than min_chars, and add a 64-bit hash of each text."""
     norm_cfg, min_chars = cfg.normalizer, cfg.filter.min_chars
+    segment = SEGMENTS[cfg.segments]  # read on the raw text: the sentence rule wants its capital letters
 
     def clean(batch: dict[str, list[str]]) -> dict[str, list]:
         normalizer = build_normalizer(norm_cfg)  # cheap; built here so workers need not pickle it
         kept: dict[str, list] = {"text": [], "source": [], "hash": []}
         for text, source in zip(batch["text"], batch["source"], strict=True):
+            if text and segment is not None:
+                text = segment(text)
             text = normalizer.normalize_str(text).strip() if text else ""
             if text and len(text) >= min_chars:
                 kept["text"].append(text)
@@ -310,9 +317,10 @@ def _count_by_source(docs: datasets.Dataset) -> dict[str, int]:
 
 
 def _tokenize(
-    docs: datasets.Dataset, tokenizer: Tokenizer, id_type: str, scratch_file: Path
+    docs: datasets.Dataset, tokenizer: Tokenizer, id_type: str, scratch_file: Path, sep: int | None = None
 ) -> datasets.Dataset:
-    """Token ids per document (no special tokens) and each document's tokens-per-character ratio."""
+    """Token ids per document (no special tokens, but for `sep` after each line but the last when given:
+    data.segments) and each document's tokens-per-character ratio (of its text's own tokens)."""
     # The texts are normalized already and normalization is idempotent: skip the tokenizer's own pass
     # (a quarter of the tokenizing time on Wikipedia). The packing test checks rows against raw text.
     prenormalized = Tokenizer.from_str(tokenizer.to_str())
@@ -320,9 +328,13 @@ def _tokenize(
 
     def tokenize(batch: dict[str, list]) -> dict[str, list]:
         # the fast form leaves out the character offsets, which would be most of the encodings' memory
-        encodings = prenormalized.encode_batch_fast(batch["text"], add_special_tokens=False)
-        ids = [enc.ids for enc in encodings]
-        ratios = [len(x) / max(1, len(text)) for x, text in zip(ids, batch["text"], strict=True)]
+        if sep is None:
+            encodings = prenormalized.encode_batch_fast(batch["text"], add_special_tokens=False)
+            ids = [enc.ids for enc in encodings]
+            counts = [len(x) for x in ids]
+        else:
+            ids, counts = _tokenize_lines(prenormalized, batch["text"], sep)
+        ratios = [n / max(1, len(text)) for n, text in zip(counts, batch["text"], strict=True)]
         return {"ids": ids, "tokens_per_char": ratios}
 
     features = datasets.Features(
@@ -338,6 +350,25 @@ def _tokenize(
         cache_file_name=str(scratch_file),
         desc="tokenize",
     )
+
+
+def _tokenize_lines(tokenizer: Tokenizer, texts: list[str], sep: int) -> tuple[list[list[int]], list[int]]:
+    """(each text's lines tokenized and joined with `sep`, each text's count of tokens without the seps).
+    Empty lines are skipped; all the lines of a batch go to the tokenizer at once."""
+    lines = [[line for line in text.split("\n") if line.strip()] for text in texts]
+    flat = tokenizer.encode_batch_fast([line for text in lines for line in text], add_special_tokens=False)
+    ids, counts, at = [], [], 0
+    for text in lines:
+        joined, count = [], 0
+        for k, enc in enumerate(flat[at : at + len(text)]):
+            if k:
+                joined.append(sep)
+            joined += enc.ids
+            count += len(enc.ids)
+        at += len(text)
+        ids.append(joined)
+        counts.append(count)
+    return ids, counts
 
 
 def _drop_trash(tokenized: datasets.Dataset, cutoff: float | None) -> datasets.Dataset:
@@ -536,7 +567,8 @@ def _tokenize_and_pack(
     training split, passed in for validation), pack; the training rows are also ordered and capped."""
     id_type = "uint16" if tokenizer.get_vocab_size() <= 2**16 else "int32"
     with steps.step(f"tokenize {split}", _text_megabytes(docs)):
-        tokenized = _tokenize(docs, tokenizer, id_type, scratch / f"tok-{split}.arrow")
+        sep = None if cfg.segments == "none" else SpecialTokens().sep
+        tokenized = _tokenize(docs, tokenizer, id_type, scratch / f"tok-{split}.arrow", sep)
     factor = cfg.filter.max_tokens_per_char_vs_median
     if factor is not None and split == "train":
         median = float(np.median(_numpy_column(tokenized, "tokens_per_char")))
