@@ -106,10 +106,8 @@ def cache_key(cfg: DataConfig, cache_root: str | os.PathLike | None = None) -> s
     the hashes of local files, so that unchanged files are not read again."""
     resolved = asdict(cfg)
     resolved.pop("name")
-    for added_later in (
-        "row_start",
-        "segments",
-    ):  # at their defaults, the caches made before them keep their names
+    # options added later: at their defaults, the caches made before them keep their names
+    for added_later in ("row_start", "segments"):
         if resolved.get(added_later) == "none":
             resolved.pop(added_later)
     for name, src in cfg.sources.items():
