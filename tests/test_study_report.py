@@ -218,9 +218,33 @@ def test_held_out_losses_of_different_maskings_are_not_compared():
     runs = {"b0": masked(kept(55.0, 4.8), 0.25), "n0": masked(kept(55.5, 5.2), 0.4)}
     cells = judge.cells([point("b0", "base", 0), point("n0", "new", 0)], runs)
     assert "MLM loss not compared" in judge.compare(cells[1], cells[0], "MLM loss", cells)
-    assert "other masking" in judge.paired_table(cells, "base")
+    assert "other task" in judge.paired_table(cells, "base")
     runs["n0"] = masked(kept(55.5, 4.7), 0.25)
     cells = judge.cells([point("b0", "base", 0), point("n0", "new", 0)], runs)
     assert judge.compare(cells[1], cells[0], "MLM loss", cells).startswith(
         "MLM loss 4.70 against 4.80: -0.10"
     )
+
+
+@pytest.mark.parametrize(
+    ("data", "compared"),
+    [
+        ({"seq_length": 64}, False),  # half the context
+        ({"tokenizer": {"vocab_size": 4096}}, False),  # a loss over another vocabulary
+        ({"segments": "sentence"}, False),
+        (
+            {"row_start": "none", "segments": "none", "seq_length": 128},
+            True,
+        ),  # a card from before the settings
+    ],
+)
+def test_held_out_losses_of_rows_cut_or_tokenized_differently_are_not_compared(data, compared):
+    def with_data(record: dict, settings: dict) -> dict:
+        record["pretraining_card"]["config"] = {"train": {"mlm": {"mask_fraction": 0.25}}, "data": settings}
+        return record
+
+    runs = {"b0": with_data(kept(55.0, 4.8), {}), "n0": with_data(kept(55.5, 4.7), data)}
+    cells = judge.cells([point("b0", "base", 0), point("n0", "new", 0)], runs)
+    text = judge.compare(cells[1], cells[0], "MLM loss", cells)
+    assert text.startswith("MLM loss 4.70 against 4.80") is compared
+    assert ("other task" in judge.paired_table(cells, "base")) is not compared

@@ -72,9 +72,18 @@ def card_metrics(record: dict) -> dict:
     return (record.get("pretraining_card") or {}).get("metrics") or {}
 
 
+def card_config(record: dict, group: str) -> dict:
+    """One group of the settings the run pretrained with (`train`, `data`, ...), from its card ({} where the card
+    has none)."""
+    return (((record.get("pretraining_card") or {}).get("config") or {}).get(group)) or {}
+
+
 def card_train(record: dict) -> dict:
-    """The `train` settings the run pretrained with, from its card ({} where the card has none)."""
-    return (((record.get("pretraining_card") or {}).get("config") or {}).get("train")) or {}
+    return card_config(record, "train")
+
+
+def card_data(record: dict) -> dict:
+    return card_config(record, "data")
 
 
 def value(record: dict, metric: str) -> float | None:

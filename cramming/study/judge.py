@@ -16,7 +16,7 @@ import itertools
 import statistics
 from dataclasses import dataclass, field
 
-from cramming.study.figures import METRICS, card_metrics, card_train, machine, shape_of, value
+from cramming.study.figures import METRICS, card_data, card_metrics, card_train, machine, shape_of, value
 from cramming.study.floor import floor_range
 from cramming.study.plan import Point
 
@@ -53,12 +53,26 @@ class Cell:
         return statistics.mean(values) if values else None
 
 
-def masking(cell: Cell) -> list[str]:
-    """How a cell's runs mask (their train.mlm settings): held-out losses of different maskings measure different
-    tasks."""
+# the data settings that decide what the held-out rows are (their length, what they begin with, where [SEP]
+# goes, the vocabulary), with the defaults of the ones added later: a card kept before a setting existed ran
+# its default
+HELD_OUT_DATA = {
+    "seq_length": 128,
+    "row_start": "none",
+    "segments": "none",
+    "tokenizer": None,
+    "normalizer": None,
+}
+
+
+def held_out_task(cell: Cell) -> list[str]:
+    """What a cell's held-out loss measures: its runs' train.mlm settings (how the rows are masked) and the data
+    settings of HELD_OUT_DATA (how they are cut and tokenized). Losses of different tasks are not compared."""
     found = set()
     for _, record in cell.runs:
-        found.add(repr(sorted((card_train(record).get("mlm") or {}).items())))
+        data = card_data(record)
+        cut = {key: data.get(key, default) for key, default in HELD_OUT_DATA.items()}
+        found.add(repr((sorted((card_train(record).get("mlm") or {}).items()), sorted(cut.items()))))
     return sorted(found)
 
 
@@ -112,8 +126,11 @@ def compare(a: Cell, b: Cell, metric: str, all_cells: list[Cell]) -> str | None:
         return None
     if metric == "BLiMP" and a.pairs() != b.pairs():
         return f"BLiMP not compared: scored on {sorted(a.pairs())} and {sorted(b.pairs())} pairs"
-    if metric == "MLM loss" and masking(a) != masking(b):
-        return "MLM loss not compared: the held-out rows are masked as each recipe masks (another task)"
+    if metric == "MLM loss" and held_out_task(a) != held_out_task(b):
+        return (
+            "MLM loss not compared: the held-out rows are masked, cut or tokenized as each recipe does (another"
+            " task)"
+        )
     digits = 2 if metric == "MLM loss" else 1
     difference = mean_a - mean_b
     text = f"{metric} {summary(a, metric, digits)} against {summary(b, metric, digits)}: {difference:+.{digits}f}, "
@@ -208,8 +225,8 @@ def paired_table(all_cells: list[Cell], control: str) -> str:
             for metric in shown:
                 ours, theirs = c.values(metric).get(seed), base.values(metric).get(seed)
                 digits = 2 if metric == "MLM loss" else 1
-                if metric == "MLM loss" and masking(c) != masking(base):
-                    deltas.append("other masking")
+                if metric == "MLM loss" and held_out_task(c) != held_out_task(base):
+                    deltas.append("other task")
                 else:
                     deltas.append("–" if ours is None or theirs is None else f"{ours - theirs:+.{digits}f}")
             lines.append(f"| {c.recipe} | {c.minutes:g} | {c.machine} | {seed} | {' | '.join(deltas)} |")
