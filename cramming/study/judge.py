@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import itertools
 import statistics
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field
 
+from cramming.data.config import DataConfig
 from cramming.study.figures import METRICS, card_data, card_metrics, card_train, machine, shape_of, value
 from cramming.study.floor import floor_range
 from cramming.study.plan import Point
@@ -54,15 +55,13 @@ class Cell:
 
 
 # the data settings that decide what the held-out rows are (their length, what they begin with, where [SEP]
-# goes, the vocabulary), with the defaults of the ones added later: a card kept before a setting existed ran
-# its default
-HELD_OUT_DATA = {
-    "seq_length": 128,
-    "row_start": "none",
-    "segments": "none",
-    "tokenizer": None,
-    "normalizer": None,
-}
+# goes, the vocabulary). A card kept before a setting existed ran DataConfig's default, which stands in for it
+HELD_OUT_DATA = ("seq_length", "row_start", "segments", "tokenizer", "normalizer")
+
+
+def _data_default(key: str):
+    default = DataConfig.__dataclass_fields__[key].default
+    return None if default is MISSING else default
 
 
 def held_out_task(cell: Cell) -> list[str]:
@@ -71,7 +70,7 @@ def held_out_task(cell: Cell) -> list[str]:
     found = set()
     for _, record in cell.runs:
         data = card_data(record)
-        cut = {key: data.get(key, default) for key, default in HELD_OUT_DATA.items()}
+        cut = {key: data.get(key, _data_default(key)) for key in HELD_OUT_DATA}
         found.add(repr((sorted((card_train(record).get("mlm") or {}).items()), sorted(cut.items()))))
     return sorted(found)
 
