@@ -15,6 +15,9 @@ from cramming.study.runs_report import figure, layout_problems
 PANELS = {"BLiMP": "BLiMP accuracy (%, mean of 67 paradigms)", "GLUE 1k": "GLUE average, 1,000 examples per task",
           "GLUE": "GLUE average, all training examples"}  # fmt: skip
 BAND_COLORS = ("grey", "tan", "lightsteelblue", "thistle", "palegreen")
+# a recipe's marker: the first ten recipes circles in matplotlib's ten colours, the next ten squares, and so on,
+# so that no two lines of a study share a colour and a marker
+MARKERS = ("o", "s", "^", "D", "v", "P", "X")
 
 
 def series(cells: list[Cell]) -> dict[str, list[Cell]]:
@@ -29,15 +32,18 @@ def series(cells: list[Cell]) -> dict[str, list[Cell]]:
 
 
 def draw_panel(axis, metric: str, lines: dict[str, list[Cell]], floors: dict[str, dict]) -> None:
-    """One figure's curves: the mean of each budget joined by a line, each run a marker of the line's colour."""
-    for label, chain in lines.items():
+    """One figure's curves: the mean of each budget joined by a line, each run a marker of the line's colour and
+    shape (the same for a recipe in every panel)."""
+    for k, (label, chain) in enumerate(lines.items()):
         points = [(c.minutes, list(c.values(metric).values())) for c in chain]
         points = [(m, v) for m, v in points if v]
         if not points:
             continue
-        (line,) = axis.plot([m for m, _ in points], [statistics.mean(v) for _, v in points], "-", label=label)
+        style = {"color": f"C{k % 10}", "marker": MARKERS[k // 10 % len(MARKERS)], "ms": 4}
+        means = [statistics.mean(v) for _, v in points]
+        axis.plot([m for m, _ in points], means, "-", label=label, markevery=[], **style)
         runs = [(m, x) for m, values in points for x in values]
-        axis.plot([m for m, _ in runs], [x for _, x in runs], "o", ms=4, color=line.get_color())
+        axis.plot([m for m, _ in runs], [x for _, x in runs], ls="none", **style)
     if metric == "BLiMP":
         for color, (shape, floor) in zip(BAND_COLORS, floors.items(), strict=False):
             _, low, high = floor_range(floor)
