@@ -21,6 +21,7 @@ from typing import Any
 
 from cramming.budget import Costs
 from cramming.errors import ConfigError, check_readable
+from cramming.impl import DTYPES
 
 CALIBRATION_DIR = Path(__file__).resolve().parent.parent / "conf" / "calibration"
 FORMAT = 1
@@ -132,6 +133,8 @@ def reference_costs(name: str, shape: dict, overrides: str = "<the run's overrid
     saved = read_calibration(path)
     entry = saved["entries"].get(key)
     if entry is None:
+        key, entry = auto_twin(saved["entries"], shape) or (key, None)
+    if entry is None:
         raise ConfigError(
             f"train.clock=reference: {path} has no entry for this recipe's shape ({described}); measure it on"
             f" the reference machine with `{COMMAND} {overrides}`, or use train.clock=wall"
@@ -145,6 +148,21 @@ def reference_costs(name: str, shape: dict, overrides: str = "<the run's overrid
         "shape_key": key,
     }
     return costs, source
+
+
+def auto_twin(entries: dict, shape: dict) -> tuple[str, dict] | None:
+    """(key, entry) of `shape` measured with impl.precision=auto, where auto chose `shape`'s own precision on the
+    calibrated machine: e.g. impl.precision=fp32 on a bf16 CPU, to replay a fp32 reference in its own rounding,
+    is the same computation there and costs what auto cost. None where there is no such entry."""
+    precision = shape["precision"]
+    if precision == "auto":
+        return None
+    key = shape_key({**shape, "precision": "auto"})
+    entry = entries.get(key)
+    chose = (entry or {}).get("resolved_here", {}).get("precision")
+    if chose is None or chose != str(DTYPES.get(precision)).removeprefix("torch."):
+        return None
+    return key, entry
 
 
 def run_costs(

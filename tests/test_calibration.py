@@ -259,6 +259,23 @@ def test_every_committed_calibration_reads_and_says_what_it_charges():
             assert min(entry["microbatch_s"], entry["update_s"]) > 0 and entry["setup_s"] >= 0
 
 
+def test_the_precision_auto_chose_on_the_reference_machine_is_charged_as_auto():
+    """impl.precision=fp32 replays a fp32 reference in its own rounding on a bf16 CPU: the same computation on
+    the reference machine, so it costs what its auto entry costs; bf16 there was never measured: refused."""
+    saved = calibration.read_calibration(calibration.calibration_path("cpu-epyc-avx2"))
+    key, entry = next((k, e) for k, e in saved["entries"].items() if e["shape"]["precision"] == "auto")
+    assert entry["resolved_here"]["precision"] == "float32"  # the reference machine has no native bf16
+    costs, source = calibration.reference_costs("cpu-epyc-avx2", {**entry["shape"], "precision": "fp32"})
+    assert source["shape_key"] == key
+    assert (costs.setup, costs.microbatch, costs.update) == (
+        entry["setup_s"],
+        entry["microbatch_s"],
+        entry["update_s"],
+    )
+    with pytest.raises(ConfigError, match="no entry for this recipe's shape.*precision bf16"):
+        calibration.reference_costs("cpu-epyc-avx2", {**entry["shape"], "precision": "bf16"})
+
+
 def test_a_committed_calibration_is_named_by_its_place_in_the_repository(tmp_path):
     assert calibration.shown_path(calibration.calibration_path("cpu-epyc-avx2")) == (
         "conf/calibration/cpu-epyc-avx2.json"

@@ -103,3 +103,19 @@ def test_the_committed_study_files_load():
     for path in STUDY_DIR.glob("*.yaml"):
         name, study = load_study(path.stem)
         assert plan.points(study), name
+
+
+def test_every_reference_clock_recipe_of_the_committed_studies_is_priced():
+    """A study on the reference clock must find each recipe's shape in its calibration before it starts any run
+    (its 12 x 128 or batch-32 entries added by hand to the study are measured, not forgotten). The vocabulary and
+    row length are the configured ones, which is what the tokenizer makes for these recipes."""
+    from cramming import calibrate, calibration
+
+    for path in sorted(STUDY_DIR.glob("*.yaml")):
+        name, study = load_study(path.stem)
+        for recipe, overrides in study.recipes.items():
+            cfg = calibrate.compose([*study.pretrain, *overrides])
+            if cfg.train.clock != "reference":
+                continue
+            shape = calibration.recipe_shape(cfg, cfg.data.tokenizer.vocab_size, cfg.data.seq_length)
+            calibration.reference_costs(cfg.train.calibration, shape)  # ConfigError names the recipe's shape
