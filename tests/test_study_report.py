@@ -143,6 +143,13 @@ def test_the_report_writes_no_path_of_this_machine(tmp_path):
     assert "../shared" not in text and "/work/" not in text and str(tmp_path) not in text
 
 
+def test_a_run_kept_from_another_study_is_named_with_its_source(tmp_path):
+    name, study = load_study("cpu-recipe-long", [f"out={tmp_path}"])
+    text = build_report(name, study).read_text()
+    source = "results/reference-clock/runs/6layers-lr2e3-60-s0.json"
+    assert f"6layers-60-s0 from {source}" in text and (REPO / source).exists()
+
+
 def blimp_result(overall: float, terms: dict[str, float], pairs: int = 67_000) -> dict:
     return {"overall": overall, "per_linguistics_term": terms, "pairs_scored": pairs, "paradigms": 67}
 

@@ -95,6 +95,13 @@ def runs_section(runs: dict[str, dict], floors: dict[str, dict], keep: Path) -> 
               if (r.get("beside") or {}).get("pretrain")]  # fmt: skip
     if beside:
         lines += ["", "Pretrained beside other runs of the study: " + "; ".join(beside) + "."]
+    # a kept file copied from another study's run of the same overrides, seed and budget says where it came from
+    copied = [f"{label} from {r['copied_from']}" for label, r in runs.items() if r.get("copied_from")]
+    if copied:
+        lines += [
+            "",
+            "Kept from another study's run (the same recipe, seed and budget): " + "; ".join(copied) + ".",
+        ]
     for stage, what in (("glue1k", "1,000 training examples"), ("glue", "all training examples")):
         table = tables.glue_tasks_table(runs, keep, stage)
         if table:
