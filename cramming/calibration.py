@@ -8,7 +8,8 @@ per shape: everything that decides what a micro-batch costs (the model, vocabula
 dropout, the optimizer's kind, micro-batch size, precision, compile, kernels, threads, processes), keyed by
 its hash. A number like the learning rate or the seed is not in the shape: the same shape costs the same. The
 settings are the recipe's own (`impl.precision=auto`, not what auto chose there), so a recipe is charged the
-same on every machine that replays it.
+same on every machine that replays it; a precision named outright is charged the `auto` entry where auto chose
+that precision on the calibrated machine (fp32 on a CPU without native bf16: the same computation there).
 """
 
 from __future__ import annotations

@@ -106,9 +106,9 @@ def test_the_committed_study_files_load():
 
 
 def test_every_reference_clock_recipe_of_the_committed_studies_is_priced():
-    """A study on the reference clock must find each recipe's shape in its calibration before it starts any run
-    (its 12 x 128 or batch-32 entries added by hand to the study are measured, not forgotten). The vocabulary and
-    row length are the configured ones, which is what the tokenizer makes for these recipes."""
+    """Each recipe of a reference-clock study has its shape in the calibration: one added to a study file without
+    being measured would stop the study at its first run. The vocabulary and row length are the configured ones,
+    which is what the tokenizer makes for these recipes."""
     from cramming import calibrate, calibration
 
     for path in sorted(STUDY_DIR.glob("*.yaml")):
