@@ -46,6 +46,7 @@ from cramming import calibration
 from cramming.config import PretrainConfig, register_configs, validate
 from cramming.data import prepare_pretraining_data
 from cramming.errors import ConfigError
+from cramming.impl import dtype_name
 from cramming.job.runcard import cpu_model, package_versions
 from cramming.model import build_model
 from cramming.optim.step import TrainStep
@@ -175,7 +176,7 @@ def entry(recipe: Recipe) -> dict:
         "samples": {"microbatch": len(recipe.microbatch), "update": len(recipe.update)},
         "resolved_here": {
             "device": str(recipe.device),
-            "precision": str(dtype).removeprefix("torch."),
+            "precision": dtype_name(dtype),
             "compile": recipe.config.impl.compile_on(recipe.device),
             "threads": torch.get_num_threads(),
         },

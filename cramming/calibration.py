@@ -22,7 +22,7 @@ from typing import Any
 
 from cramming.budget import Costs
 from cramming.errors import ConfigError, check_readable
-from cramming.impl import DTYPES
+from cramming.impl import DTYPES, dtype_name
 
 CALIBRATION_DIR = Path(__file__).resolve().parent.parent / "conf" / "calibration"
 FORMAT = 1
@@ -161,7 +161,7 @@ def auto_twin(entries: dict, shape: dict) -> tuple[str, dict] | None:
     key = shape_key({**shape, "precision": "auto"})
     entry = entries.get(key)
     chose = (entry or {}).get("resolved_here", {}).get("precision")
-    if chose is None or chose != str(DTYPES.get(precision)).removeprefix("torch."):
+    if chose is None or precision not in DTYPES or chose != dtype_name(DTYPES[precision]):
         return None
     return key, entry
 

@@ -23,6 +23,13 @@ log = logging.getLogger("cramming")
 
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """How logs, run cards and calibration files write a dtype: float32, bfloat16, float16."""
+    return str(dtype).removeprefix("torch.")
+
+
 # how the processes of a torchrun launch share the model (cramming.train.parallel.Parallel implements both)
 PARALLEL_MODES = ("ddp", "fsdp2")
 

@@ -17,7 +17,7 @@ from cramming.eval.finetune import EvaluationStopped, GlueRuns, finetune_tasks
 from cramming.eval.glue_data import TaskDataMissing, load_task
 from cramming.eval.scores import EntryScore, glue_average, markdown_table, summarize
 from cramming.eval.tasks import GLUE_TASKS
-from cramming.impl import ImplConfig
+from cramming.impl import ImplConfig, dtype_name
 from cramming.model.checkpoint import load_pretrained
 from cramming.runs import earlier_run, refuse_other_settings
 from cramming.signals import catch_stop_signals
@@ -105,7 +105,7 @@ def recipe_of(cfg: EvalRunConfig, source: str) -> dict:
     # what `auto` resolves to on this machine (bf16 on one CPU, fp32 on another): a resumed evaluation must
     # not mix runs of the two
     dtype, _ = cfg.impl.precision_choice(cfg.impl.torch_device())
-    numerics["precision"] = str(dtype).removeprefix("torch.")
+    numerics["precision"] = dtype_name(dtype)
     recipe = {"checkpoint": source, "eval": tuning, "impl": numerics}
     return json.loads(json.dumps(recipe))
 
@@ -276,7 +276,7 @@ def run_glue(
     take up. sweep_job: the job's number in a multirun (resume=true continues the same job of the last one)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     dtype, why = cfg.impl.precision_choice(cfg.impl.torch_device())
-    log.info("fine-tuning precision %s (%s)", str(dtype).removeprefix("torch."), why)
+    log.info("fine-tuning precision %s (%s)", dtype_name(dtype), why)
     budget = BudgetClock(cfg.budget, clock) if cfg.budget is not None else None
     start = time.perf_counter()
     recipe = recipe_of(cfg, checkpoint_source(backbone))

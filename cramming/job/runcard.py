@@ -41,7 +41,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from cramming.errors import ConfigError, WriteFailed, stops_unwrapped
-from cramming.impl import DEVICES, DTYPES, ImplConfig, cpu_bf16_support
+from cramming.impl import DEVICES, DTYPES, ImplConfig, cpu_bf16_support, dtype_name
 from cramming.job import commandline, exits
 from cramming.runs import newest_run_dir
 from cramming.utils import atomic_write_text, process_alive, process_rank
@@ -501,7 +501,7 @@ def device_description(device: str = "auto", precision: str = "auto", cpu_thread
         except ConfigError:  # a device this machine lacks: the job's validation reports it
             impl = ImplConfig(device="auto", precision=precision)
         dtype, why = impl.precision_choice(impl.torch_device())
-        described["precision"] = {"dtype": str(dtype).removeprefix("torch."), "why": why}
+        described["precision"] = {"dtype": dtype_name(dtype), "why": why}
     if device != "cpu" and torch.cuda.is_available():
         index = device.partition(":")[2]
         index = int(index) if index.isdigit() else 0

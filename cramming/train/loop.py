@@ -37,6 +37,7 @@ from cramming.budget import BudgetClock, budget_clock
 from cramming.calibration import run_costs
 from cramming.data import PretrainingData
 from cramming.errors import ConfigError
+from cramming.impl import dtype_name
 from cramming.model import build_model
 from cramming.optim import LAYERWISE, build_optimizer, format_state_report, optimizer_state_report
 from cramming.optim.average import WeightAverage
@@ -131,7 +132,7 @@ def set_up(
     before = checkpointer.elapsed_before + (clock() - loading if reference is None else 0.0)
     budget = budget_clock(cfg.budget, clock, before, ranks, reference, fresh=checkpointer.saved is None)
     dtype, why = cfg.impl.precision_choice(ranks.device)
-    log.info("precision %s (%s); %s", str(dtype).removeprefix("torch."), why, budget.about())
+    log.info("precision %s (%s); %s", dtype_name(dtype), why, budget.about())
     seed_everything(cfg.seed)
     cfg.impl.apply_to_process(ranks.device)  # threads on any device, as evaluation does; CPU allocator
     if ranks.device.type == "cuda":

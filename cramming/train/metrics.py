@@ -19,6 +19,7 @@ from torch import nn
 from cramming.budget import BudgetClock
 from cramming.data import PretrainingData
 from cramming.errors import WriteFailed
+from cramming.impl import dtype_name
 from cramming.model import ArchConfig, count_parameters
 from cramming.optim.step import TrainStep, Update
 from cramming.train.batches import Progress
@@ -136,7 +137,7 @@ def log_set_up(
         "training on %s in %s: %d rows of %d tokens, micro-batch %d, %d sequences per update at %.0f%% of the"
         " budget (from %d)",
         device,
-        str(dtype).removeprefix("torch."),
+        dtype_name(dtype),
         len(data.train),
         data.seq_length,
         microbatch_size,
