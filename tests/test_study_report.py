@@ -5,10 +5,12 @@ they are; a comparison says whether it is beyond the seeds' spread, and with one
 from __future__ import annotations
 
 import re
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
 
+from cramming.data.config import TokenizerConfig
 from cramming.errors import ConfigError
 from cramming.study import judge, tables
 from cramming.study import kept as kept_
@@ -241,6 +243,8 @@ def test_held_out_losses_of_different_maskings_are_not_compared():
         ({"segments": "sentence"}, False),
         # the defaults written out, against a card from before the settings (the base's data is {})
         ({"row_start": "none", "segments": "none", "seq_length": 128}, True),
+        # a nested group at its default, written out as a card writes it
+        ({"tokenizer": asdict(TokenizerConfig())}, True),
     ],
 )
 def test_held_out_losses_of_rows_cut_or_tokenized_differently_are_not_compared(data, compared):

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import itertools
 import statistics
-from dataclasses import MISSING, dataclass, field
+from dataclasses import MISSING, asdict, dataclass, field
 
 from cramming.data.config import DataConfig
 from cramming.study.figures import METRICS, card_data, card_metrics, card_train, machine, shape_of, value
@@ -60,8 +60,11 @@ HELD_OUT_DATA = ("seq_length", "row_start", "segments", "tokenizer", "normalizer
 
 
 def _data_default(key: str):
-    default = DataConfig.__dataclass_fields__[key].default
-    return None if default is MISSING else default
+    """DataConfig's default of `key` as a run card writes it (a nested group, such as the tokenizer, as a dict)."""
+    setting = DataConfig.__dataclass_fields__[key]
+    if setting.default_factory is not MISSING:
+        return asdict(setting.default_factory())
+    return None if setting.default is MISSING else setting.default
 
 
 def held_out_task(cell: Cell) -> list[str]:
